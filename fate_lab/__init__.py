@@ -1,0 +1,31 @@
+"""fate_lab: a real offloaded inference runtime for Mixture-of-Experts LMs, after Fate (arXiv 2502.12224).
+
+Public entry points are imported lazily so ``import fate_lab`` stays fast:
+
+    model, tok = fate_lab.load_model()                 # the embedded tiny MoE (data/tiny_moe)
+    trace = fate_lab.record_trace(model, tok, prompts, decode_tokens=64)
+    rt = fate_lab.offload(model, fate_lab.OffloadConfig.preset("fate", budget=...))
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "load_model": "fate_lab.models",
+    "adapt": "fate_lab.adapters",
+    "Trace": "fate_lab.trace",
+    "record_trace": "fate_lab.trace",
+    "from_routing_array": "fate_lab.trace",
+    "offload": "fate_lab.runtime",
+    "OffloadConfig": "fate_lab.runtime",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'fate_lab' has no attribute {name!r}")
