@@ -6,7 +6,7 @@ from fate_lab.adapters import adapt
 from fate_lab.testing import tiny_model
 from fate_lab.trace import DECODE, PREFILL, Trace, cross_layer_scores, from_routing_array, record_trace
 
-FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2"]
+FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
