@@ -1,0 +1,94 @@
+"""Notebook conveniences: load the model a notebook names, get (and cache) its trace, build tables.
+
+What it is: the few calls every numbered notebook starts with, so notebooks stay thin:
+``lab.load(MODEL)``, ``lab.get_trace(MODEL, fast=FAST)``, ``lab.paper_table(rows)``.
+What it is not: analysis (``analysis``, ``predictors``, ``replay``) or plotting (``plots``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from fate_lab.paths import DATA_DIR, TINY_MOE_DIR
+
+CACHE_DIR = DATA_DIR.parent / "results" / "cache"
+
+# Trace sizes: FAST is what the tests run; the full size gives ~1.5k decode + ~1.5k prefill tokens.
+TRACE_SIZES = {True: {"prompts": 2, "decode_tokens": 12, "prompt_chars": 200},
+               False: {"prompts": 16, "decode_tokens": 96, "prompt_chars": 400}}
+
+_loaded: dict = {}
+
+
+def model_path(model: str | Path | None) -> Path:
+    """The model folder a notebook's ``MODEL`` parameter names ('' or None: the embedded tiny MoE)."""
+    return Path(model) if model else TINY_MOE_DIR
+
+
+def load(model: str | Path | None = None, dtype: str = "float32"):
+    """``(model, tokenizer)`` for a notebook, loaded once per kernel."""
+    from fate_lab.models import load_model
+
+    key = (str(model_path(model)), dtype)
+    if key not in _loaded:
+        _loaded[key] = load_model(model_path(model), dtype=dtype)
+    return _loaded[key]
+
+
+def _cache_key(path: Path, size: dict) -> str:
+    cfg = path / "config.json"
+    stamp = [str(path.resolve()), json.dumps(size, sort_keys=True)]
+    for f in sorted(path.glob("*.safetensors")) + [cfg]:
+        if f.exists():
+            stamp.append(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}")
+    return hashlib.sha1("|".join(stamp).encode()).hexdigest()[:16]
+
+
+def get_trace(model: str | Path | None = None, fast: bool = False, cache: bool = True, split: str = "eval"):
+    """A routing trace of held-out prompts (prefill + greedy decode), cached under results/cache.
+
+    ``split="eval"`` uses the first held-out prompts; ``split="calib"`` the next, disjoint ones
+    (for anything that is tuned on a trace, such as the miss-curve allocation).
+    """
+    from fate_lab.corpus import heldout_prompts
+    from fate_lab.trace import Trace, record_trace
+
+    if split not in ("eval", "calib"):
+        raise ValueError(f"split must be 'eval' or 'calib', not {split!r}")
+    size = dict(TRACE_SIZES[bool(fast)], split=split)
+    path = model_path(model)
+    file = CACHE_DIR / f"trace-{_cache_key(path, size)}.safetensors"
+    if cache and file.exists():
+        return Trace.load(file)
+    m, tok = load(model)
+    n = size["prompts"]
+    prompts = heldout_prompts(2 * n, max_chars=size["prompt_chars"])
+    prompts = prompts[:n] if split == "eval" else prompts[n:]
+    if not prompts:
+        raise ValueError("the held-out corpus has too few documents for a calibration trace")
+    trace = record_trace(m, tok, prompts, decode_tokens=size["decode_tokens"])
+    if cache:
+        trace.save(file)
+    return trace
+
+
+def paper_table(rows: list[tuple[str, str, str, str]]) -> pd.DataFrame:
+    """The closing table of a notebook: (quantity, paper's number, ours, agreement sentence)."""
+    return pd.DataFrame(rows, columns=["quantity", "paper (Qwen1.5-MoE)", "ours", "agreement"])
+
+
+def fmt_pct(x: float) -> str:
+    """A fraction as a percentage with two decimals."""
+    return f"{100 * x:.2f}%"
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in a human unit (KiB, MiB, GiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"

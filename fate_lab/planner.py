@@ -1,0 +1,103 @@
+"""Device-memory planner: how many expert cache slots a byte budget buys.
+
+budget = dense weights + KV cache (per token x context) + working buffers + cache_total x expert.
+The working buffers are the ``top_k`` experts one layer computes with plus the prefetch
+buffers; below dense + KV + buffers nothing can run. Pure arithmetic: this module allocates
+nothing; per-layer splitting of ``cache_total`` is ``fate_lab.allocation``'s job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a device budget is spent (all sizes in bytes)."""
+
+    budget_bytes: int  # what the runtime may use on the device
+    dense_bytes: int  # embeddings, attention, norms, routers, shared experts
+    kv_bytes: int  # KV cache for the whole context
+    buffer_bytes: int  # top_k compute slots + prefetch buffers
+    expert_bytes: int  # one expert as cached (e.g. INT4)
+    cache_total: int  # expert cache slots left, over all layers
+    min_budget_bytes: int  # dense + KV + buffers: the least that can run
+    num_layers: int
+    top_k: int
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes held by the expert cache."""
+        return self.cache_total * self.expert_bytes
+
+    @property
+    def slots_per_layer_if_uniform(self) -> float:
+        """cache_total / num_layers, for quick reading."""
+        return self.cache_total / self.num_layers
+
+
+def _check_nonneg(**kw: int) -> None:
+    for k, v in kw.items():
+        if v < 0:
+            raise ValueError(f"{k} must be >= 0, got {v}")
+
+
+def min_budget(
+    dense_bytes: int, kv_bytes_per_token: int, context_len: int, expert_bytes: int, top_k: int, prefetch_buffer_experts: int
+) -> int:
+    """The minimum working set in bytes: dense + KV + (top_k + prefetch buffers) experts."""
+    return dense_bytes + kv_bytes_per_token * context_len + (top_k + prefetch_buffer_experts) * expert_bytes
+
+
+def plan_memory(
+    budget_bytes: int,
+    dense_bytes: int,
+    kv_bytes_per_token: int,
+    context_len: int,
+    expert_bytes: int,
+    num_layers: int,
+    top_k: int,
+    prefetch_buffer_experts: int,
+    num_experts: int | None = None,
+) -> MemoryPlan:
+    """Split a byte budget; ``cache_total`` is capped at ``num_layers * num_experts`` if given.
+
+    Raises ValueError, stating the minimum in bytes and MiB, when the budget cannot hold the
+    minimum working set.
+    """
+    _check_nonneg(budget_bytes=budget_bytes, dense_bytes=dense_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                  context_len=context_len, top_k=top_k, prefetch_buffer_experts=prefetch_buffer_experts)
+    if expert_bytes <= 0 or num_layers <= 0:
+        raise ValueError(f"expert_bytes and num_layers must be > 0, got {expert_bytes}, {num_layers}")
+    kv = kv_bytes_per_token * context_len
+    buffers = (top_k + prefetch_buffer_experts) * expert_bytes
+    need = dense_bytes + kv + buffers
+    if budget_bytes < need:
+        raise ValueError(
+            f"budget {budget_bytes} bytes ({budget_bytes / MiB:.1f} MiB) is below the minimum working set "
+            f"{need} bytes ({need / MiB:.1f} MiB) = dense {dense_bytes} + KV {kv} ({context_len} tokens) "
+            f"+ buffers {buffers} ({top_k} + {prefetch_buffer_experts} experts); raise the budget to at least "
+            f"{need / MiB:.1f} MiB, shorten context_len, or use fewer prefetch buffers"
+        )
+    cache_total = (budget_bytes - need) // expert_bytes
+    if num_experts is not None:
+        cache_total = min(cache_total, num_layers * num_experts)
+    return MemoryPlan(budget_bytes, dense_bytes, kv, buffers, expert_bytes, int(cache_total), need, num_layers, top_k)
+
+
+def plan_from_slots(
+    cache_total: int,
+    dense_bytes: int,
+    kv_bytes_per_token: int,
+    context_len: int,
+    expert_bytes: int,
+    num_layers: int,
+    top_k: int,
+    prefetch_buffer_experts: int,
+) -> MemoryPlan:
+    """The plan (and the byte budget it needs) when the budget is given as ``cache_total`` slots."""
+    _check_nonneg(cache_total=cache_total)
+    need = min_budget(dense_bytes, kv_bytes_per_token, context_len, expert_bytes, top_k, prefetch_buffer_experts)
+    return plan_memory(need + cache_total * expert_bytes, dense_bytes, kv_bytes_per_token, context_len,
+                       expert_bytes, num_layers, top_k, prefetch_buffer_experts)

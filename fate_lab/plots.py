@@ -1,0 +1,99 @@
+"""Seaborn figures of the suite, each one call from a notebook; every axis is labelled with units.
+
+What it is: plotting of numbers that other modules computed (tables, traces, replay results).
+What it is not: a place that computes metrics; a figure never derives a number of its own.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+
+sns.set_theme(context="notebook", style="whitegrid")
+
+
+def memory_bars(breakdown: pd.DataFrame):
+    """Stacked bars of dense vs routed-expert bytes per model (GiB, log scale)."""
+    df = breakdown[["dense_bytes", "expert_bytes"]] / 2**30
+    ax = df.plot.barh(stacked=True, figsize=(8, 0.6 * len(df) + 1.5), logx=True,
+                      color=sns.color_palette("deep")[:2])
+    ax.set_xlabel("weight memory (GiB, log scale)")
+    ax.set_ylabel("")
+    ax.legend(["dense (always on device)", "routed experts (offloadable)"], loc="lower right")
+    ax.set_title("Where an MoE model's bytes are")
+    plt.tight_layout()
+    return ax
+
+
+def routing_raster(experts: torch.Tensor, num_experts: int, layers: list[int], title: str = ""):
+    """Which experts each token used (dots), token by token, for a few layers."""
+    fig, axes = plt.subplots(1, len(layers), figsize=(4.5 * len(layers), 3.6), squeeze=False)
+    for ax, l in zip(axes[0], layers):
+        T, k = experts.shape[0], experts.shape[2]
+        ax.scatter(torch.arange(T).repeat_interleave(k), experts[:, l].flatten(), s=6, marker="s")
+        ax.set_xlabel("decode step (token)")
+        ax.set_ylabel("expert id")
+        ax.set_ylim(-0.5, num_experts - 0.5)
+        ax.set_title(f"MoE layer {l}")
+    fig.suptitle(title or "Routed experts per token")
+    fig.tight_layout()
+    return fig
+
+
+def per_layer_lines(df: pd.DataFrame, y: str, hue: str | None = None, ylabel: str = "", title: str = "",
+                    x: str = "layer", ylim: tuple | None = None):
+    """A metric per layer, one line per ``hue`` value."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    sns.lineplot(data=df, x=x, y=y, hue=hue, marker="o", ax=ax)
+    ax.set_xlabel("MoE layer" if x == "layer" else x)
+    ax.set_ylabel(ylabel or y)
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def heatmap(matrix, xlabel: str, ylabel: str, title: str, cbar: str, fmt: str = ".2f", annot: bool = True,
+            xticklabels="auto", yticklabels="auto", cmap: str = "viridis", vmin=None, vmax=None):
+    """A labelled heatmap (matrix: 2-D tensor, array or DataFrame)."""
+    data = matrix.numpy() if isinstance(matrix, torch.Tensor) else matrix
+    fig, ax = plt.subplots(figsize=(7, 5.5))
+    sns.heatmap(data, annot=annot, fmt=fmt, cmap=cmap, ax=ax, cbar_kws={"label": cbar}, vmin=vmin, vmax=vmax,
+                xticklabels=xticklabels, yticklabels=yticklabels, annot_kws={"size": 7})
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def grouped_bars(df: pd.DataFrame, x: str, y: str, hue: str, ylabel: str, title: str, ylim: tuple | None = None):
+    """Bars of ``y`` per ``x``, grouped by ``hue``."""
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    sns.barplot(data=df, x=x, y=y, hue=hue, ax=ax)
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel(x)
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def timeline(events: pd.DataFrame, title: str = "Compute vs transfers"):
+    """A Gantt chart of runtime events: columns kind, lane, t_start, t_end (seconds)."""
+    lanes = list(dict.fromkeys(events["lane"]))
+    colors = dict(zip(sorted(events["kind"].unique()), sns.color_palette("deep")))
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(lanes) + 1.5))
+    for _, ev in events.iterrows():
+        ax.barh(lanes.index(ev["lane"]), (ev["t_end"] - ev["t_start"]) * 1e3, left=ev["t_start"] * 1e3,
+                color=colors[ev["kind"]], edgecolor="none", height=0.7)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("time (ms)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, list(colors), loc="upper right", fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig

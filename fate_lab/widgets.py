@@ -1,0 +1,216 @@
+"""Interactive explorers for the notebooks, and the ordinary functions behind them.
+
+What it is: for each widget, a plain function (``prefetch_table``, ``cache_table``,
+``cache_grid``) that computes the table it shows from a trace — tests call these without a
+browser — and a one-call ``*_explorer(trace)`` that wires sliders/dropdowns to it.
+What it is not: a place for metrics; the numbers come from ``predictors`` and ``replay``.
+"""
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from fate_lab import predictors as P
+from fate_lab.allocation import allocation_from_name
+from fate_lab.replay import miss_curves, predictions_from_rule, replay, sweep
+from fate_lab.trace import Trace
+
+# Rule choices shown to a reader: (label, rule name, parameter name, default, (min, max, step)).
+RULE_CHOICES = {
+    "top-k": ("topk", None, None, None),
+    "top-(k+α)": ("topk_plus", "alpha", 1, (0, 16, 1)),
+    "percentile (paper: q=75)": ("percentile", "q", 75.0, (50.0, 99.0, 1.0)),
+    "cumulative probability": ("cumulative", "p", 0.9, (0.5, 0.99, 0.01)),
+    "count budget": ("budget", "n", 8, (1, 64, 1)),
+}
+
+
+def make_rule(trace: Trace, label: str, value=None) -> P.SelectionRule:
+    """The selection rule a reader picked by label, with its parameter (k comes from the trace)."""
+    if label not in RULE_CHOICES:
+        raise ValueError(f"unknown rule {label!r}; choose one of {list(RULE_CHOICES)}")
+    name, param, default, _ = RULE_CHOICES[label]
+    kwargs = {}
+    if name in ("topk", "topk_plus"):
+        kwargs["k"] = trace.top_k
+    if param is not None:
+        v = default if value is None else value
+        kwargs[param] = int(v) if isinstance(default, int) else float(v)
+    return P.rule_from_name(name, **kwargs)
+
+
+_scores_cache: dict[int, torch.Tensor] = {}
+
+
+def cross_layer_scores(trace: Trace) -> torch.Tensor:
+    """Cross-layer predicted scores ``[N, L-1, E]`` of a trace, computed once per trace object."""
+    key = id(trace)
+    if key not in _scores_cache:
+        if trace.gate_inputs is None or trace.router_weights is None:
+            raise ValueError("this trace has no gate inputs / router weights; record it with record_trace")
+        _scores_cache.clear()
+        _scores_cache[key] = P.cross_layer_scores(trace.gate_inputs, list(trace.router_weights),
+                                                  trace.meta.get("scoring", "softmax"))
+    return _scores_cache[key]
+
+
+def prefetch_table(trace: Trace, label: str = "percentile (paper: q=75)", value=None, phase: str = "decode") -> pd.DataFrame:
+    """Per-layer prefetch recall, precision and mean set size of one rule (``phase``: decode/prefill/all)."""
+    rule = make_rule(trace, label, value)
+    res = P.evaluate_rule(cross_layer_scores(trace), trace.experts, rule, trace.phase)[phase]
+    if res is None or not res.get("per_layer"):
+        raise ValueError(f"the trace has no {phase} tokens")
+    df = pd.DataFrame(res["per_layer"])
+    df.insert(0, "rule", repr(rule))
+    return df
+
+
+def prefetch_explorer(trace: Trace):
+    """Dropdown (rule) + slider (its parameter) -> per-layer recall/precision/set-size plot and table."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    from fate_lab import plots
+
+    rule = W.Dropdown(options=list(RULE_CHOICES), value="percentile (paper: q=75)", description="rule")
+    value = W.FloatSlider(description="parameter", continuous_update=False)
+    phase = W.ToggleButtons(options=["decode", "prefill"], value="decode", description="phase")
+    out = W.Output()
+
+    def _sync_slider(*_):
+        _, param, default, rng = RULE_CHOICES[rule.value]
+        value.disabled = param is None
+        if rng:
+            value.min, value.max, value.step = rng[0], rng[1], rng[2]
+            value.value = default
+            value.description = param
+
+    def _draw(*_):
+        with out:
+            out.clear_output(wait=True)
+            df = prefetch_table(trace, rule.value, value.value, phase.value)
+            long = df.melt(id_vars=["layer"], value_vars=["recall", "precision"], var_name="metric")
+            plots.per_layer_lines(long, "value", hue="metric", ylabel="fraction", ylim=(0, 1.02),
+                                  title=f"{df['rule'][0]} ({phase.value}); mean set size "
+                                        f"{df['mean_set_size'].mean():.1f} of {trace.num_experts}")
+            import matplotlib.pyplot as plt
+            plt.show()
+            display(df.round(3))
+
+    rule.observe(lambda ch: (_sync_slider(), _draw()), names="value")
+    value.observe(_draw, names="value")
+    phase.observe(_draw, names="value")
+    _sync_slider()
+    _draw()
+    return W.VBox([W.HBox([rule, value, phase]), out])
+
+
+PREDICTOR_CHOICES = ("none (cache only)", "cross-layer top-k", "cross-layer percentile 75", "oracle")
+
+
+def predictions_for(trace: Trace, predictor: str):
+    """Per-token predicted ids for a replay, for one of ``PREDICTOR_CHOICES`` (None: no prefetch)."""
+    if predictor == "none (cache only)":
+        return None
+    if predictor == "cross-layer top-k":
+        return predictions_from_rule(cross_layer_scores(trace), P.TopK(trace.top_k))
+    if predictor == "cross-layer percentile 75":
+        return predictions_from_rule(cross_layer_scores(trace), P.Percentile(75.0))
+    if predictor == "oracle":
+        ex = trace.experts.tolist()
+        return [[None] + [ex[t][l] for l in range(1, trace.num_layers)] for t in range(trace.num_tokens)]
+    raise ValueError(f"unknown predictor {predictor!r}; choose one of {PREDICTOR_CHOICES}")
+
+
+_pred_cache: dict[tuple[int, str], object] = {}
+
+
+def _predictions(trace: Trace, predictor: str):
+    key = (id(trace), predictor)
+    if key not in _pred_cache:
+        if len(_pred_cache) > 8:
+            _pred_cache.clear()
+        _pred_cache[key] = predictions_for(trace, predictor)
+    return _pred_cache[key]
+
+
+ALLOCATION_CHOICES = ("shallow", "uniform", "miss_curve")
+
+
+def make_allocation(allocation: str, boundary: int, calibration: Trace | None = None,
+                    replacement: str = "arc", predictor: str = "cross-layer percentile 75"):
+    """An allocator by name; ``miss_curve`` is calibrated on a *different* trace (``calibration``)."""
+    if allocation == "shallow":
+        return allocation_from_name("shallow", shallow_layers=boundary)
+    if allocation == "uniform":
+        return allocation_from_name("uniform")
+    if allocation == "miss_curve":
+        if calibration is None:
+            raise ValueError("the miss_curve allocation needs a calibration trace (a different trace "
+                             "than the one replayed, e.g. lab.get_trace(MODEL, split='calib'))")
+        key = (id(calibration), "curves", replacement, predictor)
+        if key not in _pred_cache:
+            _pred_cache[key] = miss_curves(calibration.experts, calibration.num_experts, policy=replacement,
+                                           predictions=_predictions(calibration, predictor))
+        return allocation_from_name("miss_curve", curves=_pred_cache[key])
+    raise ValueError(f"unknown allocation {allocation!r}; choose one of {ALLOCATION_CHOICES}")
+
+
+def cache_table(trace: Trace, boundary: int, cache_total: int, allocation: str = "shallow",
+                replacement: str = "arc", predictor: str = "cross-layer percentile 75",
+                calibration: Trace | None = None) -> pd.DataFrame:
+    """Per-layer slots and hit rates of one cache configuration, replayed on the trace."""
+    alloc = make_allocation(allocation, boundary, calibration, replacement, predictor)
+    slots = alloc.allocate(cache_total, trace.num_layers, trace.num_experts)
+    res = replay(trace.experts, slots_per_layer=slots, policy=replacement,
+                 predictions=_predictions(trace, predictor), phase=trace.phase)
+    df = pd.DataFrame(res.per_layer)
+    df.attrs["overall"] = res.overall
+    return df
+
+
+def cache_grid(trace: Trace, boundaries, budgets, replacement: str = "arc",
+               predictor: str = "cross-layer percentile 75", phase: str = "decode") -> pd.DataFrame:
+    """Hit rate over a grid of shallow boundary L x cache_total (rows L, columns budget)."""
+    cols = sweep(trace.experts, boundaries=list(boundaries), budgets=list(budgets), num_experts=trace.num_experts,
+                 policy=replacement, predictions=_predictions(trace, predictor), phase=trace.phase)
+    df = pd.DataFrame(cols)
+    key = "hit_rate" if phase == "all" else f"hit_rate_{phase}"
+    return df.pivot(index="boundary", columns="cache_total", values=key)
+
+
+def cache_explorer(trace: Trace, calibration: Trace | None = None):
+    """Sliders for L and the budget (slots), dropdowns for allocation, replacement and predictor."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    from fate_lab import plots
+
+    L, E = trace.num_layers, trace.num_experts
+    boundary = W.IntSlider(value=min(3, L), min=0, max=L, description="L (shallow)", continuous_update=False)
+    budget = W.IntSlider(value=L * E // 2, min=trace.top_k * L, max=L * E, step=max(1, L // 2),
+                         description="cache slots", continuous_update=False)
+    options = [a for a in ALLOCATION_CHOICES if a != "miss_curve" or calibration is not None]
+    alloc = W.Dropdown(options=options, value="shallow", description="allocation")
+    repl = W.Dropdown(options=["arc", "lru", "lfu", "lrfu", "belady"], value="arc", description="replacement")
+    pred = W.Dropdown(options=list(PREDICTOR_CHOICES), value="cross-layer percentile 75", description="prefetch")
+    out = W.Output()
+
+    def _draw(*_):
+        with out:
+            out.clear_output(wait=True)
+            df = cache_table(trace, boundary.value, budget.value, alloc.value, repl.value, pred.value, calibration)
+            o = df.attrs["overall"]
+            plots.grouped_bars(df.melt(id_vars=["layer"], value_vars=["hit_rate_prefill", "hit_rate_decode"],
+                                       var_name="phase"), "layer", "value", "phase", "hit rate", ylim=(0, 1.02),
+                               title=f"hit rate: decode {o['hit_rate_decode']:.3f}, prefill {o['hit_rate_prefill']:.3f}; "
+                                     f"slots per layer {df['slots'].tolist()}")
+            import matplotlib.pyplot as plt
+            plt.show()
+            display(df[["layer", "slots", "hit_rate_prefill", "hit_rate_decode", "prefetch_loads",
+                        "prefetch_wasted", "demand_loads"]].round(3))
+
+    for w in (boundary, budget, alloc, repl, pred):
+        w.observe(_draw, names="value")
+    _draw()
+    return W.VBox([W.HBox([boundary, budget]), W.HBox([alloc, repl, pred]), out])
