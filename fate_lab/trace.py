@@ -278,12 +278,9 @@ def record_trace(model, tokenizer, prompts: list, decode_tokens: int = 32, max_p
 
 def cross_layer_scores(trace: Trace) -> torch.Tensor:
     """Scores for layer l+1 predicted from layer l's gate input: [N, L-1, E] (Fate's prefetch signal)."""
+    from fate_lab.predictors import cross_layer_scores as _scores
+
     if trace.gate_inputs is None or trace.router_weights is None:
         raise ValueError("this trace has no gate inputs/router weights (e.g. it came from a routing array); "
                          "record one with record_trace to use cross-layer prediction")
-    x = trace.gate_inputs[:, :-1].float()  # (N, L-1, H)
-    W = trace.router_weights[1:].float()  # (L-1, E, H)
-    logits = torch.einsum("nlh,leh->nle", x, W)  # (N, L-1, E)
-    if trace.meta.get("scoring", "softmax") == "sigmoid":
-        return logits.sigmoid()
-    return logits.softmax(-1)
+    return _scores(trace.gate_inputs, list(trace.router_weights), trace.meta.get("scoring", "softmax"))

@@ -14,6 +14,7 @@ from fate_lab import predictors as P
 from fate_lab.allocation import allocation_from_name
 from fate_lab.replay import miss_curves, predictions_from_rule, replay, sweep
 from fate_lab.trace import Trace
+from fate_lab.trace import cross_layer_scores as trace_scores
 
 # Rule choices shown to a reader: (label, rule name, parameter name, default, (min, max, step)).
 RULE_CHOICES = {
@@ -46,11 +47,8 @@ def cross_layer_scores(trace: Trace) -> torch.Tensor:
     """Cross-layer predicted scores ``[N, L-1, E]`` of a trace, computed once per trace object."""
     key = id(trace)
     if key not in _scores_cache:
-        if trace.gate_inputs is None or trace.router_weights is None:
-            raise ValueError("this trace has no gate inputs / router weights; record it with record_trace")
         _scores_cache.clear()
-        _scores_cache[key] = P.cross_layer_scores(trace.gate_inputs, list(trace.router_weights),
-                                                  trace.meta.get("scoring", "softmax"))
+        _scores_cache[key] = trace_scores(trace)
     return _scores_cache[key]
 
 
