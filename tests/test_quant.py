@@ -1,0 +1,287 @@
+"""quant.py: round trips against a brute-force reference, exact packing and byte counts, policy, quality."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fate_lab.adapters import adapt
+from fate_lab.quant import (
+    QuantPolicy,
+    QuantSpec,
+    expert_nbytes,
+    pack,
+    packed_nbytes,
+    quality_report,
+    quantize,
+    quantize_expert,
+    quantize_model_experts,
+    quantized_nbytes,
+    unpack,
+)
+from fate_lab.testing import tiny_model
+
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+SPECS = [QuantSpec(8, 64), QuantSpec(4, 64), QuantSpec(3, 64), QuantSpec(2, 32), QuantSpec(4, 32), QuantSpec(3, 16)]
+
+
+def _reference(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Brute-force per-group min-max: (dequantized w, per-element scale), written as plainly as possible."""
+    qmax = 2**bits - 1
+    flat = w.reshape(-1).tolist()
+    out, scales = [], []
+    for start in range(0, len(flat), group):
+        chunk = flat[start:start + group]
+        lo, hi = min(chunk), max(chunk)
+        scale = (hi - lo) / qmax
+        for x in chunk:
+            code = 0 if scale == 0 else min(max(round((x - lo) / scale), 0), qmax)
+            out.append(code * scale + lo)
+            scales.append(scale)
+    return torch.tensor(out).view(w.shape), torch.tensor(scales).view(w.shape)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_round_trip_within_half_a_step_of_reference(spec):
+    w = torch.randn(24, 128, generator=torch.Generator().manual_seed(spec.bits)) * 0.05
+    ref, ref_scale = _reference(w, spec.bits, spec.group_size)
+    q = quantize(w, spec)
+    got = q.dequantize()
+    # the stored fp16 scale is rounded up, never by more than one fp16 ulp (2^-10 relative)
+    bound = ref_scale * (1 + 2**-9) / 2 + 1e-7
+    assert ((got - w).abs() <= bound).all()
+    assert ((ref - w).abs() <= ref_scale / 2 + 1e-7).all()  # the reference itself obeys the bound
+    stored = q.scale.float().repeat_interleave(spec.group_size, dim=-1)  # (24, 128)
+    assert ((got - w).abs() <= stored / 2 + 1e-7).all()  # the bound also holds with the stored scale
+    # and the result is the reference up to a code step at rounding ties
+    assert (got - ref).abs().max() <= ref_scale.max() * 1.01
+    assert (got - w).abs().mean() == pytest.approx((ref - w).abs().mean().item(), rel=0.02)
+
+
+def test_codes_and_grid_exact_on_a_hand_example():
+    # one group of 4 at 2 bits: min 0, max 3 -> scale 1, codes are the values themselves
+    w = torch.tensor([[0.0, 1.0, 2.0, 3.0, -1.0, -1.0, -1.0, 0.5]])
+    q = quantize(w, QuantSpec(2, 4))
+    assert q.codes().tolist() == [[0, 1, 2, 3, 0, 0, 0, 3]]
+    assert q.scale.tolist() == [[1.0, 0.5]] and q.zero.tolist() == [[0.0, -1.0]]
+    assert q.dequantize().tolist() == [[0.0, 1.0, 2.0, 3.0, -1.0, -1.0, -1.0, 0.5]]
+    assert q.packed.tolist() == [0b11100100, 0b11000000]  # code i at bits 2i..2i+1
+
+
+def test_constant_group_is_exact():
+    w = torch.full((2, 64), 0.25)
+    assert torch.equal(quantize(w, QuantSpec(4, 64)).dequantize(), w)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 64, 1000])
+def test_pack_unpack_round_trip(bits, numel):
+    codes = torch.randint(0, 2**bits, (numel,), generator=torch.Generator().manual_seed(numel), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == (numel if bits == 8 else math.ceil(numel / 8) * bits)
+    assert torch.equal(unpack(packed, bits, numel), codes)
+
+
+if given is not None:
+    @settings(max_examples=60, deadline=None)
+    @given(bits=st.sampled_from([2, 3, 4, 8]), data=st.data())
+    def test_pack_unpack_round_trip_hypothesis(bits, data):
+        values = data.draw(st.lists(st.integers(0, 2**bits - 1), min_size=1, max_size=200))
+        codes = torch.tensor(values, dtype=torch.uint8)
+        assert unpack(pack(codes, bits), bits, len(values)).tolist() == values
+
+
+def test_pack_layouts_by_hand():
+    codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0], dtype=torch.uint8)
+    assert pack(codes, 4).tolist() == [0x21, 0x43, 0x65, 0x07]  # low nibble first
+    # 3-bit: 24-bit little-endian word 0b000_111_110_101_100_011_010_001
+    word = sum(c << (3 * i) for i, c in enumerate(codes.tolist()))
+    assert pack(codes, 3).tolist() == [word & 0xFF, (word >> 8) & 0xFF, word >> 16]
+    assert pack(codes, 8).tolist() == codes.tolist()
+
+
+def test_packed_sizes_exact():
+    # expert matrix [128, 256]: 32768 weights
+    assert quantized_nbytes((128, 256), QuantSpec(4, 64)) == 16384 + 2 * 2 * 512  # 2/byte + fp16 s,z per group
+    assert quantized_nbytes((128, 256), QuantSpec(2, 32)) == 8192 + 2 * 2 * 1024
+    assert quantized_nbytes((128, 256), QuantSpec(3, 64)) == 12288 + 2 * 2 * 512
+    assert quantized_nbytes((128, 256), QuantSpec(8, 64)) == 32768 + 2 * 2 * 512
+    assert packed_nbytes(10, 3) == 6  # 10 codes -> 2 units of 8 -> 6 bytes
+    # an expert of the embedded model (H 256, I 128): gate, up [128, 256] and down [256, 128]
+    shapes = {"gate": (128, 256), "up": (128, 256), "down": (256, 128)}
+    assert expert_nbytes(shapes, QuantSpec.preset("int4")) == 3 * (16384 + 2048)
+    assert expert_nbytes(shapes, None) == 3 * 32768 * 2  # unquantized fp16
+
+
+@pytest.mark.parametrize("spec", SPECS + [QuantSpec(4, 64, refine=True)], ids=str)
+def test_quantized_nbytes_matches_tensor(spec):
+    w = torch.randn(3, 16, 128)
+    q = quantize(w, spec)
+    assert q.nbytes() == quantized_nbytes(w.shape, spec)
+    assert q.scale.dtype == q.zero.dtype == torch.float16 and q.scale.shape == (3, 16, 128 // spec.group_size)
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="bits=5"):
+        QuantSpec(5, 64)
+    with pytest.raises(ValueError, match="group_size"):
+        QuantSpec(4, 0)
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize(torch.randn(4, 96), QuantSpec(4, 64))
+    with pytest.raises(ValueError, match="does not divide"):
+        quantized_nbytes((4, 96), QuantSpec(4, 64))
+    with pytest.raises(ValueError, match="bits=5"):
+        pack(torch.zeros(8, dtype=torch.uint8), 5)
+    with pytest.raises(ValueError, match="codes must lie"):
+        pack(torch.tensor([0, 4]), 2)
+    with pytest.raises(ValueError, match="packed bytes"):
+        unpack(torch.zeros(5, dtype=torch.uint8), 4, 16)
+    with pytest.raises(ValueError, match="preset"):
+        QuantSpec.preset("int5")
+
+
+def test_refine_lowers_mean_error():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    for name in ("int4", "int2"):
+        plain = (quantize(w, QuantSpec.preset(name)).dequantize() - w).abs().mean()
+        refined = (quantize(w, QuantSpec.preset(name + "_hqq")).dequantize() - w).abs().mean()
+        assert refined < plain
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_expert_view_equals_slice_of_fused_tensor(refine):
+    model = tiny_model("qwen2_moe")
+    ad = adapt(model)
+    spec = QuantSpec(4, 32, refine=refine)
+    fused = quantize(ad.experts_module(0).gate_up_proj.data, spec).dequantize()  # (E, 2I, H)
+    one = quantize_expert(ad.expert_weights(0, 3), spec)
+    inter = ad.expert_intermediate_size
+    assert torch.equal(one["gate"].dequantize(), fused[3, :inter])
+    assert torch.equal(one["up"].dequantize(), fused[3, inter:])
+    assert one["down"].shape == tuple(ad.expert_weights(0, 3)["down"].shape)
+
+
+def test_to_moves_packed_bytes():
+    q = quantize(torch.randn(8, 64), QuantSpec(4, 64))
+    moved = q.to("cpu", non_blocking=True)
+    assert torch.equal(moved.dequantize(), q.dequantize()) and moved.nbytes() == q.nbytes()
+
+
+def test_policy_presets_and_overrides():
+    fate = QuantPolicy.preset("fate")
+    int4, int2 = QuantSpec(4, 64), QuantSpec(2, 32)
+    assert [fate.precision_for(5, r) for r in ("cache", "prefetch", "prefill_low", "miss")] == [int4, int4, int2, int2]
+    assert fate.host_specs(5) == (int4, int2)
+    assert fate.prefill_low_count(9) == 4
+    assert QuantPolicy.preset("fp16").precision_for(0, "miss") is None
+    assert QuantPolicy.preset("int8").precision_for(2, "prefill_low") == QuantSpec(8, 64)
+    shallow = fate.with_shallow(2, QuantSpec(8, 64))
+    assert shallow.precision_for(1, "miss") == QuantSpec(8, 64) and shallow.precision_for(2, "miss") == int2
+    assert fate.with_shallow(1, None).precision_for(0, "cache") is None
+    with pytest.raises(ValueError, match="reason"):
+        fate.precision_for(0, "evict")
+    with pytest.raises(ValueError, match="prefill_low_share"):
+        QuantPolicy(prefill_low_share=1.5)
+
+
+def test_int8_model_keeps_greedy_tokens():
+    model = tiny_model("qwen2_moe", seed=1)
+    int8 = QuantSpec(8, 32)  # the tiny model's experts are 32 wide
+    q_model = quantize_model_experts(model, QuantPolicy(cache=int8, prefetch=int8, miss=int8))
+    assert not torch.equal(q_model.model.layers[0].mlp.experts.down_proj, model.model.layers[0].mlp.experts.down_proj)
+    prompts = torch.randint(3, 128, (4, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref, got = model.generate(prompts, **kw), q_model.generate(prompts, **kw)
+    agreement = (ref == got).float().mean().item()
+    assert agreement == 1.0, f"int8 greedy agreement {agreement:.3f}"
+
+
+def test_quality_report_orders_precisions():
+    model = tiny_model("mixtral", seed=2)
+    batches = [torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    same = quality_report(model, model, batches)
+    assert same["perplexity_fp"] == same["perplexity_q"] and same["greedy_agreement"] == 1.0
+    assert abs(same["mean_kl"]) < 1e-6 and same["n_tokens"] == 2 * 2 * 23
+    r8 = quality_report(model, quantize_model_experts(model, QuantSpec(8, 8)), batches)
+    r2 = quality_report(model, quantize_model_experts(model, QuantSpec(2, 8)), batches)
+    assert 0 <= r8["mean_kl"] < r2["mean_kl"]
+    assert r8["greedy_agreement"] >= r2["greedy_agreement"]
+
+
+def test_quantize_model_experts_policy_and_overrides():
+    model = tiny_model("qwen2_moe", seed=1)
+    policy = QuantPolicy(cache=QuantSpec(4, 32), miss=QuantSpec(2, 32)).with_shallow(1, None)  # layer 0 stays full
+    q_model = quantize_model_experts(model, policy, overrides={(1, 2): None})
+    ad, qad = adapt(model), adapt(q_model)
+    assert torch.equal(qad.experts_module(0).down_proj, ad.experts_module(0).down_proj)
+    assert torch.equal(qad.experts_module(1).down_proj[2], ad.experts_module(1).down_proj[2])
+    assert not torch.equal(qad.experts_module(1).down_proj[1], ad.experts_module(1).down_proj[1])
+    # the original model is untouched
+    fresh = adapt(tiny_model("qwen2_moe", seed=1))
+    assert torch.equal(ad.experts_module(1).down_proj, fresh.experts_module(1).down_proj)
+
+
+def test_offset_groups_stay_on_the_grid():
+    # groups far from zero with a tiny range: the fp16 zero must not land above the group's values
+    w = 100.035 + 0.01 * torch.rand(4, 64, generator=torch.Generator().manual_seed(5))
+    for spec in (QuantSpec(8, 64), QuantSpec(2, 32)):
+        q = quantize(w, spec)
+        stored = q.scale.float().repeat_interleave(spec.group_size, dim=-1)  # (4, 64)
+        assert ((q.dequantize() - w).abs() <= stored / 2 + 1e-6).all()
+        # the grid starts at most one fp16 step (0.0625 at 100) below the min, so a step is < 0.0625/qmax
+        assert (q.dequantize() - w).abs().max() < 0.0625 / (2**spec.bits - 1)
+
+
+def test_fp16_outward_rounding_matches_nextafter():
+    from fate_lab.quant import _round_fp16
+
+    x = torch.cat([torch.randn(5000) * torch.logspace(-7, 4, 5000), torch.tensor([0.0, 1e-9, -1e-9])])
+    for d in (math.inf, -math.inf):
+        near = x.half()
+        wrong_way = near.float() < x if d > 0 else near.float() > x
+        ref = torch.where(wrong_way, torch.nextafter(near, torch.full_like(near, d)), near)
+        got = _round_fp16(x, d)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+        assert ((got.float() >= x) if d > 0 else (got.float() <= x)).all()
+
+
+def _embedded_model_present() -> bool:
+    from fate_lab.paths import TINY_MOE_DIR
+
+    return TINY_MOE_DIR.is_dir() and any(TINY_MOE_DIR.glob("*.safetensors"))
+
+
+@pytest.mark.skipif(not _embedded_model_present(), reason="embedded model data/tiny_moe not built yet")
+def test_int8_embedded_model_keeps_greedy_tokens_on_test_prompts():
+    from fate_lab.corpus import heldout_prompts
+    from fate_lab.models import load_model
+
+    model, tok = load_model()
+    q_model = quantize_model_experts(model, QuantPolicy.preset("int8"))
+    agree = total = 0
+    for prompt in heldout_prompts(4, max_chars=200):
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id or 0)
+        with torch.no_grad():
+            ref, got = model.generate(ids, **kw)[0, ids.shape[1]:], q_model.generate(ids, **kw)[0, ids.shape[1]:]
+        agree += (ref == got).sum().item()
+        total += ref.numel()
+    assert agree == total, f"int8 greedy agreement on the embedded model {agree}/{total}"
+
+
+def test_dequantize_into_a_slot_of_a_fused_buffer():
+    w = torch.randn(3, 16, 64)
+    q = quantize(w[1], QuantSpec(4, 64))
+    buf = torch.zeros(3, 16, 64, dtype=torch.bfloat16)
+    q.dequantize(out=buf[1])
+    assert torch.equal(buf[1], q.dequantize(torch.bfloat16)) and not buf[0].any()
+    with pytest.raises(ValueError, match="out has shape"):
+        q.dequantize(out=buf)
