@@ -212,3 +212,40 @@ def cache_explorer(trace: Trace, calibration: Trace | None = None):
         w.observe(_draw, names="value")
     _draw()
     return W.VBox([W.HBox([boundary, budget]), W.HBox([alloc, repl, pred]), out])
+
+
+def decode_point(model, input_ids, boundary: int, cache_share: float, new_tokens: int = 16,
+                 link: str = "qwen15_moe_rtx3090_pcie3", preset: str = "fate") -> dict:
+    """One real offloaded decode (``preset`` with shallow boundary L and a cache share): its stats row."""
+    from fate_lab.adapters import adapt
+    from fate_lab.bench import run_preset
+
+    if not 0.0 <= cache_share <= 1.0:
+        raise ValueError(f"cache_share must lie in [0, 1], got {cache_share}")
+    ad = adapt(model)
+    slots = int(round(cache_share * ad.num_moe_layers * ad.num_experts))
+    return run_preset(model, input_ids, preset, new_tokens, slots=slots, shallow_layers=boundary, link=link)["row"]
+
+
+def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_moe_rtx3090_pcie3"):
+    """Sliders for L and the cache share; each change decodes for real with the fate preset."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    from fate_lab.adapters import adapt
+
+    M = adapt(model).num_moe_layers
+    boundary = W.IntSlider(value=min(3, M), min=0, max=M, description="L (shallow)", continuous_update=False)
+    share = W.FloatSlider(value=0.5, min=0.1, max=1.0, step=0.05, description="cache share", continuous_update=False)
+    out = W.Output()
+
+    def _draw(*_):
+        with out:
+            out.clear_output(wait=True)
+            row = decode_point(model, input_ids, boundary.value, share.value, new_tokens, link)
+            display(pd.DataFrame([row]).drop(columns=["preset"]).round(3).T.rename(columns={0: "fate"}))
+
+    boundary.observe(_draw, names="value")
+    share.observe(_draw, names="value")
+    _draw()
+    return W.VBox([W.HBox([boundary, share]), out])

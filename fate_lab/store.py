@@ -1,0 +1,174 @@
+"""Host store: where every routed expert's weights live while they are off the device.
+
+What this file is: two tiers behind one small interface, `fetch(m, e) -> ExpertTensors`
+(the expert's fused-layout rows: gate_up [2I, H], down [H, I]):
+- `RamStore`: one contiguous host copy per expert, pinned when a CUDA device is used (so the
+  copy engine can DMA asynchronously);
+- `SafetensorsStore`: the SSD tier; each fetch opens the checkpoint with `safe_open`
+  (memory-mapped) and reads only that expert's tensors (per-expert keys as HF writes them,
+  Mixtral's w1/w3/w2 names, or fused `gate_up_proj`/`down_proj` keys read by slice).
+
+What it is not: it owns no device memory and no thread; the transfer engine moves the bytes.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """One expert's weights in the fused layout the HF experts modules use."""
+
+    gate_up: torch.Tensor  # (2I, H) gate rows stacked over up rows
+    down: torch.Tensor  # (H, I)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both tensors."""
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+
+
+class HostStore:
+    """Interface: every routed expert of every MoE layer, readable by (m, e)."""
+
+    tier = "base"
+    num_moe_layers: int
+    num_experts: int
+
+    def fetch(self, m: int, e: int) -> ExpertTensors:  # pragma: no cover - interface
+        """Host tensors of expert e of MoE layer m."""
+        raise NotImplementedError
+
+    def layer(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All experts of MoE layer m fused back: (gate_up [E, 2I, H], down [E, H, I])."""
+        parts = [self.fetch(m, e) for e in range(self.num_experts)]
+        return torch.stack([p.gate_up for p in parts]), torch.stack([p.down for p in parts])
+
+    def describe(self) -> str:
+        """A short name of the tier for outputs."""
+        return self.tier
+
+
+class RamStore(HostStore):
+    """Experts in host RAM, one contiguous (optionally pinned) pair of tensors per expert."""
+
+    tier = "ram"
+
+    def __init__(self, experts: list[list[ExpertTensors]], pinned: bool):
+        self._experts = experts  # [m][e]
+        self.pinned = pinned
+        self.num_moe_layers = len(experts)
+        self.num_experts = len(experts[0])
+
+    @classmethod
+    def from_adapter(cls, adapter, pin: bool = False) -> "RamStore":
+        """Copy every expert out of the model's fused tensors into host RAM (pinned if pin)."""
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            out.copy_(t.detach())
+            return out
+
+        layers = []
+        for m in range(adapter.num_moe_layers):
+            mod = adapter.experts_module(m)
+            layers.append([ExpertTensors(host(mod.gate_up_proj[e]), host(mod.down_proj[e]))
+                           for e in range(adapter.num_experts)])
+        return cls(layers, pinned=pin)
+
+    def fetch(self, m: int, e: int) -> ExpertTensors:
+        """The stored tensors themselves (no copy)."""
+        return self._experts[m][e]
+
+    def describe(self) -> str:
+        """'ram (pinned)' or 'ram'."""
+        return "ram (pinned)" if self.pinned else "ram"
+
+
+_PER_EXPERT = re.compile(r"^(?P<pre>.*)layers\.(?P<i>\d+)\.(?P<blk>mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
+                         r"(?P<w>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_FUSED = re.compile(r"^(?P<pre>.*)layers\.(?P<i>\d+)\.mlp\.experts\.(?P<w>gate_up_proj|down_proj)$")
+_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+class SafetensorsStore(HostStore):
+    """The SSD tier: reads one expert at a time from the checkpoint's safetensors file(s)."""
+
+    tier = "ssd"
+
+    def __init__(self, path: str | Path, moe_layers: list[int], num_experts: int, dtype: torch.dtype):
+        """path: a .safetensors file or a checkpoint folder; moe_layers: decoder index per MoE layer."""
+        self.path = Path(path)
+        self.dtype = dtype
+        self.num_moe_layers = len(moe_layers)
+        self.num_experts = num_experts
+        files = self._files()
+        per_expert: dict[tuple[int, int, str], tuple[Path, str]] = {}
+        fused: dict[tuple[int, str], tuple[Path, str]] = {}
+        for file, keys in files.items():
+            for key in keys:
+                if (mt := _PER_EXPERT.match(key)) is not None:
+                    per_expert[int(mt["i"]), int(mt["e"]), _ROLE[mt["w"]]] = (file, key)
+                elif (mt := _FUSED.match(key)) is not None:
+                    fused[int(mt["i"]), mt["w"]] = (file, key)
+        self._keys: list[list[dict]] = []
+        for i in moe_layers:
+            row = []
+            for e in range(num_experts):
+                if all((i, e, r) in per_expert for r in ("gate", "up", "down")):
+                    row.append({r: per_expert[i, e, r] for r in ("gate", "up", "down")})
+                elif (i, "gate_up_proj") in fused and (i, "down_proj") in fused:
+                    row.append({"fused": (fused[i, "gate_up_proj"], fused[i, "down_proj"])})
+                else:
+                    raise ValueError(
+                        f"{self.path}: no weights for expert {e} of decoder layer {i}; expected keys like "
+                        f"'model.layers.{i}.mlp.experts.{e}.gate_proj.weight'. Is this the model's checkpoint?"
+                    )
+            self._keys.append(row)
+
+    def _files(self) -> dict[Path, list[str]]:
+        """Each safetensors file of the checkpoint with the keys it holds."""
+        if self.path.is_file():
+            paths = [self.path]
+        else:
+            index = self.path / "model.safetensors.index.json"
+            if index.exists():
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                paths = [self.path / n for n in names]
+            else:
+                paths = sorted(self.path.glob("*.safetensors"))
+        if not paths:
+            raise FileNotFoundError(f"no .safetensors file at {self.path}; save the model with save_pretrained first")
+        out = {}
+        for p in paths:
+            with safe_open(str(p), framework="pt") as f:
+                out[p] = list(f.keys())
+        return out
+
+    def fetch(self, m: int, e: int) -> ExpertTensors:
+        """Read expert e of MoE layer m from disk (only its bytes are touched)."""
+        spec = self._keys[m][e]
+        if "fused" in spec:
+            (f_gu, k_gu), (f_d, k_d) = spec["fused"]
+            with safe_open(str(f_gu), framework="pt") as f:
+                gate_up = f.get_slice(k_gu)[e]  # (2I, H)
+            with safe_open(str(f_d), framework="pt") as f:
+                down = f.get_slice(k_d)[e]  # (H, I)
+        else:
+            parts = {}
+            for role, (file, key) in spec.items():
+                with safe_open(str(file), framework="pt") as f:
+                    parts[role] = f.get_tensor(key)
+            gate_up = torch.cat([parts["gate"], parts["up"]], dim=0)  # (2I, H)
+            down = parts["down"]  # (H, I)
+        return ExpertTensors(gate_up.to(self.dtype).contiguous(), down.to(self.dtype).contiguous())
+
+    def describe(self) -> str:
+        """'ssd (<path>)'."""
+        return f"ssd ({self.path})"

@@ -1,0 +1,254 @@
+"""Transfer engine: moves one expert from the host store into a device slot, asynchronously.
+
+What this file is: one interface (`submit`, `cancel`, `wait`, `close`) and two back ends.
+- `EmulatedLink`: a worker thread takes transfers from a queue (urgent ones first), does the
+  real copy into the slot, then holds the link until `latency + bytes / bandwidth` has passed
+  since it started. It runs concurrently with the compute thread, so overlap and stalls are
+  real wall-clock effects. Used on CPU-only machines, and on a GPU to emulate a slower link.
+- `CudaCopyEngine`: a dedicated CUDA copy stream; each transfer is a pair of non-blocking
+  copies from pinned host memory, ordered after the compute stream's earlier work (a slot may
+  still be read by a kernel) and marked done by a CUDA event.
+Both accept a fault hook `fault(m, e) -> bool` (tests): True makes that transfer fail.
+
+What it is not: it decides nothing. Which expert goes to which slot, when, and what to do
+when a transfer fails is the runtime's business.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .links import LinkProfile
+from .store import HostStore
+
+_ENGINE_IDS = itertools.count()
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One expert on its way into one slot; `done` is set when it finished, failed or was cancelled."""
+
+    m: int
+    e: int
+    slot: int
+    nbytes: int
+    urgent: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    cancelled: bool = False
+    error: str | None = None
+    t_start: float | None = None  # perf_counter when the link started on it
+    t_end: float | None = None
+    cuda_event: object = None
+
+
+class TransferEngine:
+    """Interface of both back ends."""
+
+    fault: Callable[[int, int], bool] | None = None
+
+    def submit(self, m: int, e: int, slot: int, urgent: bool = False) -> Transfer:  # pragma: no cover
+        """Queue expert (m, e) for copy into `slot`; urgent transfers go before queued prefetches."""
+        raise NotImplementedError
+
+    def cancel(self, t: Transfer) -> bool:  # pragma: no cover
+        """Drop t if the link has not started it; True if dropped."""
+        raise NotImplementedError
+
+    def wait(self, t: Transfer) -> bool:  # pragma: no cover
+        """Block until t is done; True if its bytes are in the slot."""
+        raise NotImplementedError
+
+    def poll(self, t: Transfer) -> bool:
+        """True if t is done (finished, failed or cancelled), without blocking."""
+        return t.done.is_set()
+
+    def close(self) -> None:  # pragma: no cover
+        """Stop the engine; queued transfers are cancelled."""
+        raise NotImplementedError
+
+
+class _SlotWriter:
+    """Copies a host expert into slot tensors (shared by both back ends)."""
+
+    def __init__(self, store: HostStore, gate_up_slots: torch.Tensor, down_slots: torch.Tensor):
+        self.store = store
+        self.gate_up_slots = gate_up_slots  # (S, 2I, H) on the device
+        self.down_slots = down_slots  # (S, H, I) on the device
+
+    def copy(self, t: Transfer, non_blocking: bool) -> None:
+        """Copy expert (t.m, t.e) into slot t.slot (runs on the calling thread / current stream)."""
+        src = self.store.fetch(t.m, t.e)
+        self.gate_up_slots[t.slot].copy_(src.gate_up, non_blocking=non_blocking)  # (2I, H)
+        self.down_slots[t.slot].copy_(src.down, non_blocking=non_blocking)  # (H, I)
+
+
+class EmulatedLink(TransferEngine):
+    """A worker thread that does the real copy and keeps the link busy for the profile's time."""
+
+    def __init__(self, store: HostStore, gate_up_slots: torch.Tensor, down_slots: torch.Tensor,
+                 link: LinkProfile, fault: Callable[[int, int], bool] | None = None):
+        self.link = link
+        self.fault = fault
+        self._writer = _SlotWriter(store, gate_up_slots, down_slots)
+        self._cuda = gate_up_slots.device.type == "cuda"
+        self._stream = torch.cuda.Stream(gate_up_slots.device) if self._cuda else None
+        self._queue: collections.deque[Transfer] = collections.deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"fate-transfer-{next(_ENGINE_IDS)}", daemon=True)
+        self._thread.start()
+
+    def submit(self, m: int, e: int, slot: int, urgent: bool = False) -> Transfer:
+        """Queue a transfer; urgent ones (on-demand loads) jump ahead of queued prefetches."""
+        t = Transfer(m, e, slot, self._nbytes(), urgent)
+        if self._cuda:  # the slot may still be read by queued kernels of the compute stream
+            t.cuda_event = torch.cuda.current_stream().record_event()
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("transfer engine is closed")
+            if urgent:
+                # after the urgent ones already queued, before every prefetch
+                pos = next((i for i, q in enumerate(self._queue) if not q.urgent), len(self._queue))
+                self._queue.insert(pos, t)
+            else:
+                self._queue.append(t)
+            self._cv.notify()
+        return t
+
+    def _nbytes(self) -> int:
+        w = self._writer
+        return w.gate_up_slots[0].numel() * w.gate_up_slots.element_size() + \
+            w.down_slots[0].numel() * w.down_slots.element_size()
+
+    def cancel(self, t: Transfer) -> bool:
+        """Remove a queued transfer; False if the link already started it."""
+        with self._cv:
+            try:
+                self._queue.remove(t)
+            except ValueError:
+                return False
+        t.cancelled = True
+        t.done.set()
+        return True
+
+    def wait(self, t: Transfer) -> bool:
+        """Block until t is done."""
+        t.done.wait()
+        return t.ok
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                t = self._queue.popleft()
+            t.t_start = time.perf_counter()
+            try:
+                if self.fault is not None and self.fault(t.m, t.e):
+                    raise IOError(f"injected fault on expert {t.e} of MoE layer {t.m}")
+                if self._cuda:
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(t.cuda_event)
+                        self._writer.copy(t, non_blocking=True)
+                    self._stream.synchronize()
+                else:
+                    self._writer.copy(t, non_blocking=False)
+                t.ok = True
+            except Exception as exc:  # a failed transfer is reported, never raised on this thread
+                t.error = repr(exc)
+            hold = t.t_start + self.link.transfer_time(t.nbytes) - time.perf_counter()
+            if hold > 0:
+                time.sleep(hold)
+            t.t_end = time.perf_counter()
+            t.done.set()
+
+    def close(self) -> None:
+        """Stop the worker and cancel what is still queued; joins the thread."""
+        with self._cv:
+            self._stop = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for t in pending:
+            t.cancelled = True
+            t.done.set()
+        self._thread.join()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads this engine started."""
+        return [self._thread]
+
+
+class CudaCopyEngine(TransferEngine):
+    """Native CUDA back end: non-blocking copies from pinned memory on a dedicated stream."""
+
+    def __init__(self, store: HostStore, gate_up_slots: torch.Tensor, down_slots: torch.Tensor,
+                 fault: Callable[[int, int], bool] | None = None):
+        if gate_up_slots.device.type != "cuda":
+            raise ValueError("CudaCopyEngine needs slots on a CUDA device; use EmulatedLink on CPU")
+        self.fault = fault
+        self._writer = _SlotWriter(store, gate_up_slots, down_slots)
+        self._stream = torch.cuda.Stream(gate_up_slots.device)
+        self._closed = False
+
+    def submit(self, m: int, e: int, slot: int, urgent: bool = False) -> Transfer:
+        """Issue the copies now on the copy stream (the stream keeps FIFO order; `urgent` is moot)."""
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        w = self._writer
+        nbytes = w.gate_up_slots[0].numel() * w.gate_up_slots.element_size() + \
+            w.down_slots[0].numel() * w.down_slots.element_size()
+        t = Transfer(m, e, slot, nbytes, urgent)
+        t.t_start = time.perf_counter()
+        if self.fault is not None and self.fault(m, e):
+            t.error = f"injected fault on expert {e} of MoE layer {m}"
+            t.t_end = t.t_start
+            t.done.set()
+            return t
+        self._stream.wait_stream(torch.cuda.current_stream())  # earlier kernels may read the slot
+        with torch.cuda.stream(self._stream):
+            w.copy(t, non_blocking=True)
+            t.cuda_event = self._stream.record_event()
+        t.ok = True
+        return t
+
+    def cancel(self, t: Transfer) -> bool:
+        """Issued copies cannot be recalled."""
+        return False
+
+    def poll(self, t: Transfer) -> bool:
+        """Done once its event has completed (the compute stream is then ordered after it)."""
+        if not t.done.is_set() and t.cuda_event is not None and t.cuda_event.query():
+            self.wait(t)
+        return t.done.is_set()
+
+    def wait(self, t: Transfer) -> bool:
+        """Block the host until the copy is done, and order the compute stream after it."""
+        if t.cuda_event is not None and not t.done.is_set():
+            t.cuda_event.synchronize()
+            torch.cuda.current_stream().wait_event(t.cuda_event)
+            t.t_end = time.perf_counter()
+            t.done.set()
+        t.done.set()
+        return t.ok
+
+    def close(self) -> None:
+        """Finish outstanding copies."""
+        if not self._closed:
+            self._stream.synchronize()
+            self._closed = True
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """No threads: the GPU's copy engine does the work."""
+        return []
