@@ -2,7 +2,6 @@
 import pytest
 
 from fate_lab.notebooks import dirty_notebooks, notebook_paths, run_notebook
-from fate_lab.paths import TINY_MOE_DIR
 
 NOTEBOOKS = notebook_paths()
 
@@ -16,7 +15,6 @@ def test_committed_notebooks_are_clean():
 
 
 @pytest.mark.notebook
-@pytest.mark.skipif(not TINY_MOE_DIR.exists(), reason="embedded model missing")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_in_fast_mode(path, tmp_path):
     out = run_notebook(path, tmp_path, {"MODEL": "", "FAST": True}, timeout=600)
