@@ -6,10 +6,14 @@ relative Frobenius error, and quantize/dequantize time per expert on this machin
 Part 2 (with a tokenizer and the corpus) puts perplexity, greedy agreement and mean KL to the
 full-precision model on held-out text next to each scheme, including Fate's INT4 cache and
 its INT2 worst case (every expert as a miss), and shallow layers kept at INT8.
+Part 3 (`--speed`, needs a tokenizer) decodes a held-out prompt in the real runtime with
+`fate`, `fate_int8` and `fate_quant` under each scaled link profile: bytes moved per decode
+token, decode tok/s and whether the greedy tokens match full precision.
 
     python -m benchmarks.bench_quant                         # embedded model (data/tiny_moe)
     python -m benchmarks.bench_quant --random                # random model of the embedded shape
     python -m benchmarks.bench_quant --model /path/to/moe --tokens 4096
+    python -m benchmarks.bench_quant --speed --new-tokens 32   # + runtime speed per link
 
 Nothing is asserted; the numbers feed notebook 06_quantization.
 """
@@ -97,6 +101,32 @@ def quality_table(model, batches: list[torch.Tensor]) -> list[dict]:
     return rows
 
 
+SPEED_LINKS = ("qwen15_moe_rtx3090_pcie3", "qwen15_moe_rtx3090_pcie4", "deepseek_moe_1080ti_pcie1")
+
+
+def speed_table(model, input_ids: torch.Tensor, new_tokens: int, cache_share: float = 0.25,
+                links: tuple[str, ...] = SPEED_LINKS) -> list[dict]:
+    """One row per (link, preset): MiB per decode token, decode tok/s, hit rate, same tokens as `fate`."""
+    from fate_lab.bench import run_preset
+    from fate_lab.runtime import calibrate_layer_time
+
+    ad = adapt(model)
+    slots = int(cache_share * ad.num_moe_layers * ad.num_experts)
+    layer_s = calibrate_layer_time(model)  # once: every run scales its link from the same layer time
+    rows = []
+    for link in links:
+        ref = None
+        for preset in ("fate", "fate_int8", "fate_quant"):
+            run = run_preset(model, input_ids, preset, new_tokens, slots=slots, link=link, layer_compute_s=layer_s)
+            ref = run["tokens"] if ref is None else ref
+            r = run["row"]
+            rows.append(dict(link=link, preset=preset, slots=slots,
+                             mib_per_decode_token=r["MiB moved per decode token"], decode_tok_s=r["decode tok/s"],
+                             ttft_ms=r["TTFT (ms)"], hit_rate=r["hit rate decode"],
+                             same_tokens_as_fate=run["tokens"] == ref))
+    return rows
+
+
 def _print_table(rows: list[dict]) -> None:
     """Rows as a markdown table."""
     keys = list(rows[0])
@@ -114,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--random", action="store_true", help="a random qwen2_moe of the embedded model's shape")
     p.add_argument("--tokens", type=int, default=2048, help="held-out tokens for the quality table")
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--speed", action="store_true", help="also time fate / fate_int8 / fate_quant in the runtime")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode length of the speed runs")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     if args.random:
@@ -138,6 +170,12 @@ def main(argv: list[str] | None = None) -> None:
         source = "held-out"
     print(f"\n## Quality on {sum(b.numel() for b in batches)} {source} tokens\n")
     _print_table(quality_table(model, batches))
+    if args.speed and tokenizer is not None:
+        from fate_lab.corpus import heldout_prompts
+
+        ids = tokenizer(heldout_prompts(1, max_chars=300)[0], return_tensors="pt")["input_ids"]
+        print(f"\n## Runtime speed, {args.new_tokens} greedy tokens, cache a quarter of the experts\n")
+        _print_table(speed_table(model, ids, args.new_tokens))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,29 @@ not cached (`top_k` slots for on-demand loads plus the prefetch buffers: the pla
 "buffers"). Experts in use or with a transfer in flight are never evicted. A queued
 prefetch that its layer turns out not to need is cancelled when the layer starts.
 
+Quantized experts (`OffloadConfig.quant`, a `quant.QuantPolicy` preset name; None = full
+precision): the host store keeps the packed copies the policy needs (`QuantizedStore`,
+`policy.host_specs(m)`); every transfer carries a precision chosen by its reason --
+"prefetch" for predicted experts, "prefill_low" for the least popular `prefill_low_share` of the
+experts a prefill step sends ahead (the tail of the predictor's most-probable-first order,
+counted over those that got a slot), "miss" for
+on-demand loads, "cache" for the all-resident preload; the link moves the packed bytes and the
+device dequantizes them into the slot (`transfer.py`), so the compute below is unchanged. Bytes
+moved are the packed sizes; `stats.moved` counts landed transfers per (phase, layer, precision).
+Departures from Fate, stated plainly:
+* the device slots hold *dequantized* weights in the model dtype, not INT4. The planner is
+  given the packed size of the largest precision that travels (`slot_expert_bytes`: INT4 under
+  `fate`), i.e. it counts what a device with packed slots (dequantize-before-compute) would
+  hold, so a budget buys the slots the paper's cache would have; `device_bytes()` reports the
+  emulation's real, larger fp slot tensors (`describe()["device_slot_bytes"]`), and the
+  fp scratch such a packed-slot design needs for the dequantized expert is not counted;
+* an expert loaded on demand at INT2 that gets a cache slot stays cached at INT2 until
+  evicted (the paper does not say whether INT2 misses are cached);
+* on a scaled link (`links.REAL_SETUPS`) with quantization on, the link is calibrated on the
+  tiny model's expert at fp16 (the real setups move fp16 experts), so an INT4 expert takes
+  0.28x the real fp16 expert's time whatever the tiny model's own dtype; without quantization
+  it stays calibrated on the model's own dtype, as before.
+
 What it is not: no policy lives here. Predictors (`predictors.py`), slot allocation
 (`allocation.py`), replacement (`replacement.py`) and the budget arithmetic (`planner.py`)
 are the same objects the replay simulator uses; the byte moving is `transfer.py`/`store.py`.
@@ -46,9 +69,10 @@ from .allocation import allocation_from_name
 from .links import LINK_PROFILES, LinkProfile, resolve_link
 from .planner import MemoryPlan, plan_from_slots, plan_memory
 from .predictors import ActivationPath, CrossLayerGate, Percentile, Predictor, SelectionRule, TopK
+from .quant import QuantPolicy, QuantSpec, expert_nbytes
 from .replacement import policy_from_name
-from .store import HostStore, RamStore, SafetensorsStore
-from .transfer import CudaCopyEngine, EmulatedLink, Transfer, TransferEngine
+from .store import HostStore, QuantizedStore, RamStore, SafetensorsStore
+from .transfer import CudaCopyEngine, EmulatedLink, Transfer, TransferEngine, _SlotWriter
 
 IMPLEMENTATION = "fate_offload"
 PHASES = ("prefill", "decode")
@@ -84,21 +108,23 @@ class OffloadConfig:
     layer_compute_s: float | None = None  # scaled link: the tiny model's layer time; None: calibrate now
     timeline: bool = True  # record (kind, layer, expert, t_start, t_end) events
     timeline_max_events: int = 200_000
+    quant: str | None = None  # quant.QuantPolicy preset ("fate", "int8", "int4", ...); None: full precision
 
     @staticmethod
-    def preset_names() -> list[str]:
-        """Names accepted by `preset`."""
-        return list(_PRESETS)
+    def preset_names(include_quant: bool = False) -> list[str]:
+        """Names accepted by `preset`; the quantized ones (whose output differs) only with include_quant."""
+        return list(_PRESETS) + (list(_QUANT_PRESETS) if include_quant else [])
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "OffloadConfig":
         """A named baseline with any field overridden (budget=..., slots=..., link=..., ...)."""
-        if name not in _PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {list(_PRESETS)}")
+        known = {**_PRESETS, **_QUANT_PRESETS}
+        if name not in known:
+            raise ValueError(f"unknown preset {name!r}; choose one of {list(known)}")
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"OffloadConfig has no field(s) {sorted(unknown)}")
-        return dataclasses.replace(_PRESETS[name], **overrides)
+        return dataclasses.replace(known[name], **overrides)
 
 
 _PRESETS: dict[str, OffloadConfig] = {
@@ -118,6 +144,15 @@ _PRESETS: dict[str, OffloadConfig] = {
                                      replacement="lru"),
     # Fate: cross-layer gate + 75th-percentile expansion, shallow-favoring allocation, ARC
     "fate": OffloadConfig("fate"),
+}
+
+# Quantized presets: the same runtime policies as `fate`, experts stored and moved packed.
+# Their output differs from the full-precision model's, so `preset_names()` lists them apart.
+_QUANT_PRESETS: dict[str, OffloadConfig] = {
+    # Fate's scheme: INT4 cache/prefetch, INT2 misses and least popular prefill experts
+    "fate_quant": dataclasses.replace(_PRESETS["fate"], name="fate_quant", quant="fate"),
+    # every expert at INT8 (g64): the near-lossless check
+    "fate_int8": dataclasses.replace(_PRESETS["fate"], name="fate_int8", quant="int8"),
 }
 
 
@@ -185,6 +220,7 @@ class RuntimeStats:
     slots_per_layer: list[int]
     timeline: list[tuple[str, int, int, float, float]] = field(default_factory=list)
     forward_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    moved: Counter = field(default_factory=Counter)  # (phase, layer, precision label) -> landed transfers
 
     def total(self, phase: str) -> PhaseStats:
         """Counters of one phase summed over layers."""
@@ -271,7 +307,11 @@ class Runtime:
         for m in range(a.num_moe_layers):
             self._check_experts_module(a.experts_module(m))
         self.top_k, self.num_experts, M = a.top_k, a.num_experts, a.num_moe_layers
-        self.expert_bytes = a.bytes_per_expert()
+        self.expert_bytes = a.bytes_per_expert()  # one expert at full precision (the model's dtype)
+        self.quant: QuantPolicy | None = QuantPolicy.preset(config.quant) if config.quant is not None else None
+        # what one device slot is planned at: the largest precision that ever travels (packed slots)
+        self.slot_expert_bytes = self.expert_bytes if self.quant is None else max(
+            self._precision_nbytes(s) for m in range(M) for s in self.quant.host_specs(m))
 
         # 1. the memory plan and per-layer slots (pure policies)
         self.prefetching = config.predictor is not None
@@ -281,14 +321,14 @@ class Runtime:
         if config.budget is not None and config.slots is not None:
             raise ValueError("give the budget either in bytes (budget=) or in expert slots (slots=), not both")
         if config.budget is not None and not config.all_resident:
-            self.plan = plan_memory(config.budget, dense, kv, config.context_len, self.expert_bytes, M, self.top_k,
-                                    buffers, num_experts=self.num_experts)
+            self.plan = plan_memory(config.budget, dense, kv, config.context_len, self.slot_expert_bytes, M,
+                                    self.top_k, buffers, num_experts=self.num_experts)
         else:
             slots = M * self.num_experts
             if config.slots is not None and not config.all_resident:
                 slots = min(config.slots, slots)
-            self.plan = plan_from_slots(slots, dense, kv, config.context_len, self.expert_bytes, M, self.top_k,
-                                        buffers)
+            self.plan = plan_from_slots(slots, dense, kv, config.context_len, self.slot_expert_bytes, M,
+                                        self.top_k, buffers)
         cache_total = self.plan.cache_total if config.cache else 0
         shallow = config.shallow_layers if config.shallow_layers is not None else max(1, round(M / 8))
         params = {"shallow_layers": shallow} if config.allocation == "shallow" else {}
@@ -330,9 +370,12 @@ class Runtime:
         self._zombies: list[tuple[int, Transfer]] = []  # staging slots whose unneeded transfer runs on
 
         # 3. link, predictor, host router copies, transfer engine, stats
-        self.link: LinkProfile = resolve_link(config.link, self.expert_bytes, self.layer_compute_s)
+        # scaled links: the real setups move fp16 experts; with quantization, calibrate on the fp16 size
+        link_ref = self.expert_bytes if self.quant is None else a.bytes_per_expert(torch.float16)
+        self.link: LinkProfile = resolve_link(config.link, link_ref, self.layer_compute_s)
         self.predictor: Predictor | None = self._build_predictor()
         self.router_host = [a.router_weight(m).detach().to("cpu", torch.float32).clone() for m in range(M)]  # (E, H)
+        self._writer = _SlotWriter(self.store, self.gate_up_slots, self.down_slots)  # synchronous loads
         self.engine: TransferEngine = self._build_engine()
         self.stats = RuntimeStats(
             layers=[{p: PhaseStats() for p in PHASES} for _ in range(M)],
@@ -361,15 +404,36 @@ class Runtime:
             if getattr(mod, flag, want) != want:
                 raise NotImplementedError(f"{type(mod).__name__}.{flag}={not want} is not supported by the runtime")
 
+    def _precision_nbytes(self, spec: QuantSpec | None) -> int:
+        """Bytes of one expert at spec (packed + scales + zeros), or at full precision for None."""
+        a = self.adapter
+        shapes = {"gate_up": (2 * a.expert_intermediate_size, a.hidden_size),
+                  "down": (a.hidden_size, a.expert_intermediate_size)}
+        try:
+            return expert_nbytes(shapes, spec, dtype=self.dtype)
+        except ValueError as exc:
+            raise ValueError(f"quant={self.config.quant!r} cannot quantize this model's experts: {exc}. Choose a "
+                             f"policy whose group size divides hidden {a.hidden_size} and expert width "
+                             f"{a.expert_intermediate_size}") from exc
+
+    def _spec(self, m: int, reason: str) -> QuantSpec | None:
+        """The precision expert transfers of MoE layer m travel at for reason (None: full)."""
+        return None if self.quant is None else self.quant.precision_for(m, reason)
+
     def _build_store(self) -> HostStore:
         cfg, a = self.config, self.adapter
+        pin = self.device.type == "cuda"
         if cfg.store == "ram":
-            return RamStore.from_adapter(a, pin=self.device.type == "cuda")
-        if cfg.store == "ssd":
+            base: HostStore = RamStore.from_adapter(a, pin=pin)
+        elif cfg.store == "ssd":
             if cfg.checkpoint is None:
                 raise ValueError("store='ssd' needs checkpoint=<safetensors file or folder of the model>")
-            return SafetensorsStore(cfg.checkpoint, a.moe_layers, a.num_experts, self.dtype)
-        raise ValueError(f"unknown store {cfg.store!r}; choose 'ram' or 'ssd'")
+            base = SafetensorsStore(cfg.checkpoint, a.moe_layers, a.num_experts, self.dtype)
+        else:
+            raise ValueError(f"unknown store {cfg.store!r}; choose 'ram' or 'ssd'")
+        if self.quant is None:
+            return base
+        return QuantizedStore(base, [self.quant.host_specs(m) for m in range(a.num_moe_layers)], pin=pin)
 
     def _build_predictor(self) -> Predictor | None:
         cfg = self.config
@@ -410,7 +474,7 @@ class Runtime:
             for e in range(min(len(layer.cache_slots), self.num_experts)):
                 layer.policy.admit(e)
                 layer.where[e] = layer.cache_slots[e]
-                self.engine_load_now(m, e, layer.cache_slots[e], timed=False)
+                self.engine_load_now(m, e, layer.cache_slots[e], timed=False, spec=self._spec(m, "cache"))
                 layer.valid.add(e)
 
     # --- hooks around each forward ------------------------------------------------------
@@ -482,7 +546,7 @@ class Runtime:
         for e in waiting:  # a needed prefetch still queued is now urgent: it goes before the misses
             t = layer.inflight[e]
             if not t.urgent and self.engine.cancel(t):
-                self._submit(m, e, t.slot, urgent=True)
+                self._submit(m, e, t.slot, urgent=True, spec=t.spec)
         deferred = [e for e in missing if not self._demand(m, e, frozenset(pending))]
 
         if self.predictor is not None and m + 1 < len(self.layers):
@@ -564,8 +628,8 @@ class Runtime:
         layer.staged[e] = slot
         return slot, False
 
-    def _submit(self, m: int, e: int, slot: int, urgent: bool) -> Transfer:
-        t = self.engine.submit(m, e, slot, urgent=urgent)
+    def _submit(self, m: int, e: int, slot: int, urgent: bool, spec: QuantSpec | None = None) -> Transfer:
+        t = self.engine.submit(m, e, slot, urgent=urgent, spec=spec)
         self.layers[m].inflight[e] = t
         return t
 
@@ -578,7 +642,7 @@ class Runtime:
             got = self._reserve(m, e, protect | self._inflight_ids(m), for_prefetch=False)
         if got is None:
             return False
-        self._submit(m, e, got[0], urgent=True)
+        self._submit(m, e, got[0], urgent=True, spec=self._spec(m, "miss"))
         return True
 
     def _inflight_ids(self, m: int) -> frozenset:
@@ -610,8 +674,9 @@ class Runtime:
             self._record_transfer(m, t)
             if not ok:
                 st.failures += 1
-                self.engine_load_now(m, e, slot)
-                st.bytes_moved += self.expert_bytes
+                self.engine_load_now(m, e, slot, spec=t.spec)
+                st.bytes_moved += self._writer.nbytes(m, e, t.spec)
+                self.stats.moved[self.phase, m, spec_label(t.spec)] += 1
             w1 = time.perf_counter()
             if w1 - w0 > 2e-5:
                 st.stall_s += w1 - w0
@@ -620,14 +685,12 @@ class Runtime:
             layer.valid.add(e)
         return slot
 
-    def engine_load_now(self, m: int, e: int, slot: int, timed: bool = True) -> None:
-        """Synchronous load of expert (m, e) into slot on the calling thread, at the link's speed if timed."""
+    def engine_load_now(self, m: int, e: int, slot: int, timed: bool = True, spec: QuantSpec | None = None) -> None:
+        """Synchronous load of expert (m, e) at spec into slot on the calling thread, at the link's speed if timed."""
         t0 = time.perf_counter()
-        src = self.store.fetch(m, e)
-        self.gate_up_slots[slot].copy_(src.gate_up)  # (2I, H)
-        self.down_slots[slot].copy_(src.down)  # (H, I)
+        self._writer.write(m, e, slot, spec, non_blocking=False)  # (2I, H) + (H, I), dequantized if packed
         if not isinstance(self.engine, CudaCopyEngine):
-            hold = t0 + self.link.transfer_time(self.expert_bytes) - time.perf_counter()
+            hold = t0 + self.link.transfer_time(self._writer.nbytes(m, e, spec)) - time.perf_counter()
             if hold > 0 and timed:
                 time.sleep(hold)
         self._event("sync_load", m, e, t0, time.perf_counter())
@@ -636,6 +699,7 @@ class Runtime:
         """Count a finished transfer's bytes and put it on the timeline."""
         if t.ok:
             self.stats.layers[m][self.phase].bytes_moved += t.nbytes
+            self.stats.moved[self.phase, m, spec_label(t.spec)] += 1
         if t.t_start is not None and t.t_end is not None:
             self._event("demand" if t.urgent else "prefetch", m, t.e, t.t_start, t.t_end)
 
@@ -688,13 +752,19 @@ class Runtime:
         nxt.prediction = list(predicted)
         st = self.stats.layers[n][self.phase]
         protect = frozenset(nxt.inflight) | frozenset(predicted)  # never evict a predicted expert for another
-        for e in predicted:  # most probable first
+        moves: list[tuple[int, int]] = []  # (expert, slot), most probable first
+        for e in predicted:
             if e in nxt.inflight or e in nxt.valid or e in nxt.staged:
                 continue
             got = self._reserve(n, e, protect, for_prefetch=True)
             if got is None:
                 break  # no slot left for prefetching this layer
-            self._submit(n, e, got[0], urgent=False)
+            moves.append((e, got[0]))
+        # Fate: in prefill, the least popular share of the experts sent ahead travels at low precision
+        n_low = self.quant.prefill_low_count(len(moves)) if self.quant is not None and self.phase == "prefill" else 0
+        for i, (e, slot) in enumerate(moves):
+            reason = "prefill_low" if i >= len(moves) - n_low else "prefetch"
+            self._submit(n, e, slot, urgent=False, spec=self._spec(n, reason))
             nxt.prefetched.add(e)
             st.prefetch_issued += 1
 
@@ -709,6 +779,7 @@ class Runtime:
         self.stats.layers = [{p: PhaseStats() for p in PHASES} for _ in self.layers]
         self.stats.timeline = []
         self.stats.forward_s = {p: [] for p in PHASES}
+        self.stats.moved = Counter()
         self._t0 = time.perf_counter()
 
     def device_tensors(self) -> list[torch.Tensor]:
@@ -730,7 +801,9 @@ class Runtime:
         return {"preset": self.config.name, "link": self.stats.link, "store": self.stats.store,
                 "budget_bytes": self.plan.budget_bytes, "min_budget_bytes": self.plan.min_budget_bytes,
                 "cache_total": self.plan.cache_total, "slots_per_layer": list(self.slots_per_layer),
-                "staging_slots": self.n_staging, "layer_compute_s": self.layer_compute_s}
+                "staging_slots": self.n_staging, "layer_compute_s": self.layer_compute_s,
+                "quant": self.config.quant, "slot_expert_bytes": self.slot_expert_bytes,
+                "device_slot_bytes": sum(t.numel() * t.element_size() for t in self.device_tensors())}
 
     def close(self, restore: bool = True) -> None:
         """Stop the transfer worker(s), unplug from the model; restore=True puts the fused experts back."""
@@ -759,6 +832,38 @@ class Runtime:
                 self.engine.close()
         except Exception:
             pass
+
+
+class StepwiseForward(nn.Module):
+    """`model(input_ids=[B, T])` run one token at a time with the KV cache, so every position is a
+    decode step of an offloaded model (prefetch, cache and on-demand precisions as in generation);
+    for teacher-forced quality of the decode-time mix with `quant.quality_report`."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, **_) -> "StepwiseOutput":
+        """Logits [B, T, V] of input_ids [B, T], computed as T decode steps."""
+        cache, steps = None, []
+        for t in range(input_ids.shape[1]):
+            out = self.model(input_ids=input_ids[:, t:t + 1], cache=cache, use_cache=True)
+            cache = out["cache"]
+            steps.append(out.logits)  # (B, 1, V)
+        return StepwiseOutput(torch.cat(steps, dim=1))  # (B, T, V)
+
+
+@dataclass
+class StepwiseOutput:
+    """What `StepwiseForward` returns: the logits, like a transformers output."""
+
+    logits: torch.Tensor  # (B, T, V)
+
+
+def spec_label(spec: QuantSpec | None) -> str:
+    """A short name of a transfer precision for counters: 'fp', 'int4/g64', ..."""
+    return "fp" if spec is None else f"int{spec.bits}/g{spec.group_size}" + ("/hqq" if spec.refine else "")
 
 
 @torch.no_grad()

@@ -6,7 +6,13 @@ What this file is: two tiers behind one small interface, `fetch(m, e) -> ExpertT
   copy engine can DMA asynchronously);
 - `SafetensorsStore`: the SSD tier; each fetch opens the checkpoint with `safe_open`
   (memory-mapped) and reads only that expert's tensors (per-expert keys as HF writes them,
-  Mixtral's w1/w3/w2 names, or fused `gate_up_proj`/`down_proj` keys read by slice).
+  Mixtral's w1/w3/w2 names, or fused `gate_up_proj`/`down_proj` keys read by slice);
+- `QuantizedStore`: wraps either tier and adds packed copies (`PackedExpert`, one per
+  precision a `quant.QuantPolicy` names for the layer, `policy.host_specs(m)`), read with
+  `fetch_at(m, e, spec)`. Fate keeps an INT4 and an INT2 copy of every expert on the host; so
+  does this store under the `fate` policy. The packed copies always live in RAM (pinned on
+  CUDA), also over the SSD tier: quantizing at load time, not writing packed files, is a
+  simplification of ours.
 
 What it is not: it owns no device memory and no thread; the transfer engine moves the bytes.
 """
@@ -19,6 +25,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from .quant import QuantizedTensor, QuantSpec, quantize
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,32 @@ class ExpertTensors:
         return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
 
 
+@dataclass(frozen=True)
+class PackedExpert:
+    """One expert quantized: packed codes + fp16 scale/zero of its fused-layout tensors."""
+
+    gate_up: QuantizedTensor  # (2I, H) groups along H
+    down: QuantizedTensor  # (H, I) groups along I
+
+    @property
+    def nbytes(self) -> int:
+        """Packed bytes of both tensors, scales and zeros included (what travels)."""
+        return self.gate_up.nbytes() + self.down.nbytes()
+
+    @property
+    def spec(self) -> QuantSpec:
+        """The precision both tensors are at."""
+        return self.gate_up.spec
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedExpert":
+        """A copy on device: the packed bytes move, not dequantized weights."""
+        return PackedExpert(self.gate_up.to(device, non_blocking), self.down.to(device, non_blocking))
+
+    def pin_memory(self) -> "PackedExpert":
+        """A copy in page-locked host memory."""
+        return PackedExpert(self.gate_up.pin_memory(), self.down.pin_memory())
+
+
 class HostStore:
     """Interface: every routed expert of every MoE layer, readable by (m, e)."""
 
@@ -44,6 +78,17 @@ class HostStore:
     def fetch(self, m: int, e: int) -> ExpertTensors:  # pragma: no cover - interface
         """Host tensors of expert e of MoE layer m."""
         raise NotImplementedError
+
+    def fetch_at(self, m: int, e: int, spec: QuantSpec | None) -> ExpertTensors | PackedExpert:
+        """Expert e of MoE layer m at a precision: None is full precision (`fetch`)."""
+        if spec is None:
+            return self.fetch(m, e)
+        raise ValueError(f"the {self.describe()} store keeps no packed {spec} copies; wrap it in "
+                         f"QuantizedStore (OffloadConfig(quant=...)) to move quantized experts")
+
+    def nbytes_at(self, m: int, e: int, spec: QuantSpec) -> int:
+        """Bytes of the packed copy of (m, e) at spec (what a quantized transfer moves)."""
+        return self.fetch_at(m, e, spec).nbytes
 
     def layer(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts of MoE layer m fused back: (gate_up [E, 2I, H], down [E, H, I])."""
@@ -172,3 +217,54 @@ class SafetensorsStore(HostStore):
     def describe(self) -> str:
         """'ssd (<path>)'."""
         return f"ssd ({self.path})"
+
+
+class QuantizedStore(HostStore):
+    """Packed copies of every expert at each precision the policy needs, over a full-precision store."""
+
+    def __init__(self, base: HostStore, specs: list[tuple[QuantSpec | None, ...]], pin: bool = False):
+        """specs[m]: the precisions to keep for MoE layer m (None entries are served by base)."""
+        if len(specs) != base.num_moe_layers:
+            raise ValueError(f"need one tuple of specs per MoE layer ({base.num_moe_layers}), got {len(specs)}")
+        self.base = base
+        self.tier = base.tier
+        self.num_moe_layers, self.num_experts = base.num_moe_layers, base.num_experts
+        self.specs = [tuple(s) for s in specs]
+        self.pinned = pin
+        self._packed: dict[tuple[int, int, QuantSpec], PackedExpert] = {}
+        for m, layer_specs in enumerate(self.specs):
+            for spec in layer_specs:
+                if spec is None:
+                    continue
+                for e in range(self.num_experts):
+                    src = base.fetch(m, e)
+                    try:
+                        packed = PackedExpert(quantize(src.gate_up, spec), quantize(src.down, spec))
+                    except ValueError as exc:
+                        raise ValueError(f"cannot quantize expert {e} of MoE layer {m} at {spec}: {exc}. Choose a "
+                                         f"group size that divides hidden and expert width {tuple(src.down.shape)}"
+                                         ) from exc
+                    self._packed[m, e, spec] = packed.pin_memory() if pin else packed
+
+    def fetch(self, m: int, e: int) -> ExpertTensors:
+        """Full-precision tensors, from the wrapped store."""
+        return self.base.fetch(m, e)
+
+    def fetch_at(self, m: int, e: int, spec: QuantSpec | None) -> ExpertTensors | PackedExpert:
+        """The packed copy at spec (None: full precision from the wrapped store)."""
+        if spec is None:
+            return self.base.fetch(m, e)
+        try:
+            return self._packed[m, e, spec]
+        except KeyError:
+            raise ValueError(f"no packed copy of expert {e} of MoE layer {m} at {spec}; this store keeps "
+                             f"{self.specs[m]} for that layer") from None
+
+    def host_nbytes(self) -> int:
+        """Bytes of all packed copies held in RAM (the full-precision tier not included)."""
+        return sum(p.nbytes for p in self._packed.values())
+
+    def describe(self) -> str:
+        """The wrapped tier plus the packed precisions kept, e.g. 'ram + packed int4/g64, int2/g32'."""
+        kept = sorted({s for layer in self.specs for s in layer if s is not None}, key=lambda s: -s.bits)
+        return f"{self.base.describe()} + packed " + ", ".join(f"int{s.bits}/g{s.group_size}" for s in kept)

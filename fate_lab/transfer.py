@@ -10,6 +10,14 @@ What this file is: one interface (`submit`, `cancel`, `wait`, `close`) and two b
   still be read by a kernel) and marked done by a CUDA event.
 Both accept a fault hook `fault(m, e) -> bool` (tests): True makes that transfer fail.
 
+Quantized transfers (`submit(..., spec=QuantSpec)`): the store's *packed* copy travels
+(`PackedExpert.to(device)`: codes + fp16 scales/zeros), `Transfer.nbytes` is its packed size, so
+the emulated link holds for `latency + packed_bytes / bandwidth`; then the bytes are dequantized
+on the device into the slot (`QuantizedTensor.dequantize(out=slot)`), so the slot holds
+full-precision weights and the compute code never sees a packed tensor. On CUDA the dequantize
+kernels run on the copy stream, after the copy and before the transfer's done event; on CPU
+the emulated link's worker thread does it, inside the link's hold time when it is shorter.
+
 What it is not: it decides nothing. Which expert goes to which slot, when, and what to do
 when a transfer fails is the runtime's business.
 """
@@ -25,7 +33,8 @@ from typing import Callable
 import torch
 
 from .links import LinkProfile
-from .store import HostStore
+from .quant import QuantSpec
+from .store import HostStore, PackedExpert
 
 _ENGINE_IDS = itertools.count()
 
@@ -46,6 +55,7 @@ class Transfer:
     t_start: float | None = None  # perf_counter when the link started on it
     t_end: float | None = None
     cuda_event: object = None
+    spec: QuantSpec | None = None  # precision it travels at; None: full precision (the slots' dtype)
 
 
 class TransferEngine:
@@ -53,8 +63,9 @@ class TransferEngine:
 
     fault: Callable[[int, int], bool] | None = None
 
-    def submit(self, m: int, e: int, slot: int, urgent: bool = False) -> Transfer:  # pragma: no cover
-        """Queue expert (m, e) for copy into `slot`; urgent transfers go before queued prefetches."""
+    def submit(self, m: int, e: int, slot: int, urgent: bool = False,
+               spec: QuantSpec | None = None) -> Transfer:  # pragma: no cover
+        """Queue expert (m, e) for copy into `slot` at spec; urgent transfers go before queued prefetches."""
         raise NotImplementedError
 
     def cancel(self, t: Transfer) -> bool:  # pragma: no cover
@@ -84,9 +95,25 @@ class _SlotWriter:
 
     def copy(self, t: Transfer, non_blocking: bool) -> None:
         """Copy expert (t.m, t.e) into slot t.slot (runs on the calling thread / current stream)."""
-        src = self.store.fetch(t.m, t.e)
-        self.gate_up_slots[t.slot].copy_(src.gate_up, non_blocking=non_blocking)  # (2I, H)
-        self.down_slots[t.slot].copy_(src.down, non_blocking=non_blocking)  # (H, I)
+        self.write(t.m, t.e, t.slot, t.spec, non_blocking)
+
+    def write(self, m: int, e: int, slot: int, spec: QuantSpec | None, non_blocking: bool) -> None:
+        """Move (m, e) at spec into slot: full precision is copied, a packed copy is moved then dequantized."""
+        src = self.store.fetch_at(m, e, spec)
+        if isinstance(src, PackedExpert):
+            dev = src.to(self.gate_up_slots.device, non_blocking=non_blocking)  # only packed bytes travel
+            dev.gate_up.dequantize(out=self.gate_up_slots[slot])  # (2I, H) on the device
+            dev.down.dequantize(out=self.down_slots[slot])  # (H, I)
+            return
+        self.gate_up_slots[slot].copy_(src.gate_up, non_blocking=non_blocking)  # (2I, H)
+        self.down_slots[slot].copy_(src.down, non_blocking=non_blocking)  # (H, I)
+
+    def nbytes(self, m: int, e: int, spec: QuantSpec | None) -> int:
+        """Bytes a transfer of (m, e) at spec moves: a slot's full-precision bytes, or the packed size."""
+        if spec is None:
+            return self.gate_up_slots[0].numel() * self.gate_up_slots.element_size() + \
+                self.down_slots[0].numel() * self.down_slots.element_size()
+        return self.store.nbytes_at(m, e, spec)
 
 
 class EmulatedLink(TransferEngine):
@@ -105,9 +132,9 @@ class EmulatedLink(TransferEngine):
         self._thread = threading.Thread(target=self._run, name=f"fate-transfer-{next(_ENGINE_IDS)}", daemon=True)
         self._thread.start()
 
-    def submit(self, m: int, e: int, slot: int, urgent: bool = False) -> Transfer:
+    def submit(self, m: int, e: int, slot: int, urgent: bool = False, spec: QuantSpec | None = None) -> Transfer:
         """Queue a transfer; urgent ones (on-demand loads) jump ahead of queued prefetches."""
-        t = Transfer(m, e, slot, self._nbytes(), urgent)
+        t = Transfer(m, e, slot, self._writer.nbytes(m, e, spec), urgent, spec=spec)
         if self._cuda:  # the slot may still be read by queued kernels of the compute stream
             t.cuda_event = torch.cuda.current_stream().record_event()
         with self._cv:
@@ -121,11 +148,6 @@ class EmulatedLink(TransferEngine):
                 self._queue.append(t)
             self._cv.notify()
         return t
-
-    def _nbytes(self) -> int:
-        w = self._writer
-        return w.gate_up_slots[0].numel() * w.gate_up_slots.element_size() + \
-            w.down_slots[0].numel() * w.down_slots.element_size()
 
     def cancel(self, t: Transfer) -> bool:
         """Remove a queued transfer; False if the link already started it."""
@@ -201,14 +223,12 @@ class CudaCopyEngine(TransferEngine):
         self._stream = torch.cuda.Stream(gate_up_slots.device)
         self._closed = False
 
-    def submit(self, m: int, e: int, slot: int, urgent: bool = False) -> Transfer:
+    def submit(self, m: int, e: int, slot: int, urgent: bool = False, spec: QuantSpec | None = None) -> Transfer:
         """Issue the copies now on the copy stream (the stream keeps FIFO order; `urgent` is moot)."""
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         w = self._writer
-        nbytes = w.gate_up_slots[0].numel() * w.gate_up_slots.element_size() + \
-            w.down_slots[0].numel() * w.down_slots.element_size()
-        t = Transfer(m, e, slot, nbytes, urgent)
+        t = Transfer(m, e, slot, w.nbytes(m, e, spec), urgent, spec=spec)
         t.t_start = time.perf_counter()
         if self.fault is not None and self.fault(m, e):
             t.error = f"injected fault on expert {e} of MoE layer {m}"
