@@ -6,7 +6,8 @@ for each token and each layer in order
 
 (a) prefetch: the experts predicted for this layer (made while the previous layer ran) are
     admitted, most probable first, protecting the rest of the predicted set (a prediction never
-    evicts itself; what does not fit is skipped and moves no bytes);
+    evicts itself; what the cache cannot take goes to one of ``prefetch_buffer`` staging slots,
+    resident for this token only, as in the runtime; beyond those it is skipped, moving nothing);
 (b) each true expert is a *hit* if resident (prefetched in time or cached), else a *miss*,
     loaded on demand and admitted while protecting the token's other experts of this layer.
 
@@ -50,9 +51,13 @@ def _make_policy(policy: PolicySpec, capacity: int, uses: list[list[int]], polic
 
 
 def _replay_layer(
-    uses: list[list[int]], preds: list | None, phases: list[int], pol: ReplacementPolicy
+    uses: list[list[int]], preds: list | None, phases: list[int], pol: ReplacementPolicy, buffer: int = 0
 ) -> dict[str, int]:
-    """Replay one layer's uses (``uses[t]`` = ids) through ``pol``; returns the raw counts."""
+    """Replay one layer's uses (``uses[t]`` = ids) through ``pol``; returns the raw counts.
+
+    ``buffer``: staging slots for prefetched experts that the cache could not take; they are
+    resident for this token's use only (the runtime's prefetch buffers), then dropped.
+    """
     hits, n = [0, 0], [0, 0]
     demand = pf_loads = pf_useful = pf_wasted = 0
     pending: set[int] = set()  # prefetched, not yet used
@@ -61,6 +66,7 @@ def _replay_layer(
     for t, need in enumerate(uses):
         if tick is not None:
             tick(t)
+        staged: set[int] = set()
         if preds is not None:
             p = preds[t]
             if p:
@@ -69,7 +75,10 @@ def _replay_layer(
                     if e in pol:
                         continue
                     v = admit(e, prot)
-                    if v == e:  # did not fit: nothing moved
+                    if v == e:  # did not fit the cache: a staging slot, if one is free, else nothing moves
+                        if len(staged) < buffer:
+                            staged.add(e)
+                            pf_loads += 1
                         continue
                     pf_loads += 1
                     pending.add(e)
@@ -80,7 +89,11 @@ def _replay_layer(
         prot = frozenset(need)
         for e in need:
             n[ph] += 1
-            if e in pol:
+            if e in staged:  # prefetched into a staging slot in time
+                hits[ph] += 1
+                pf_useful += 1
+                staged.discard(e)
+            elif e in pol:
                 hits[ph] += 1
                 access(e)
                 if e in pending:
@@ -92,6 +105,7 @@ def _replay_layer(
                 if v is not None and v != e and v in pending:
                     pending.discard(v)
                     pf_wasted += 1
+        pf_wasted += len(staged)  # staged but not used by this token
     return {
         "uses": n[0] + n[1], "hits": hits[0] + hits[1],
         "uses_prefill": n[0], "hits_prefill": hits[0], "uses_decode": n[1], "hits_decode": hits[1],
@@ -165,19 +179,23 @@ def replay(
     phase: Tensor | None = None,
     expert_bytes: int = 1,
     policy_kw: dict | None = None,
+    prefetch_buffer: int = 0,
 ) -> ReplayResult:
     """Replay a routing trace through per-layer caches (semantics in the module docstring).
 
     ``policy``: a name for ``policy_from_name`` ("belady" gets each layer's future) or a
     factory ``capacity -> ReplacementPolicy``. ``predictions[t][l]``: ids predicted for layer
     l of token t, or None (see ``predictions_from_rule`` / ``predictors.predict_trace``).
+    ``prefetch_buffer``: staging slots per layer for predicted experts the cache cannot take
+    (the runtime keeps ``top_k`` of them when it prefetches; 0 = the cache only).
     """
     uses, preds, phases, L = _prepare(experts, predictions, phase)
     if len(slots_per_layer) != L:
         raise ValueError(f"slots_per_layer has {len(slots_per_layer)} entries for {L} layers")
     kw = policy_kw or {}
     counts = [
-        _replay_layer(uses[l], None if preds is None else preds[l], phases, _make_policy(policy, s, uses[l], kw))
+        _replay_layer(uses[l], None if preds is None else preds[l], phases, _make_policy(policy, s, uses[l], kw),
+                      prefetch_buffer)
         for l, s in enumerate(slots_per_layer)
     ]
     return _combine(counts, list(slots_per_layer), expert_bytes, phase is not None)
@@ -195,6 +213,7 @@ def sweep(
     expert_bytes: int = 1,
     allocation: Callable[[int], object] = ShallowFavoringAllocation,
     policy_kw: dict | None = None,
+    prefetch_buffer: int = 0,
 ) -> dict[str, list]:
     """Replay every (shallow boundary L, cache_total) pair; columns of a table (``pd.DataFrame(out)``).
 
@@ -216,7 +235,8 @@ def sweep(
             for l, s in enumerate(slots):
                 if (l, s) not in memo:
                     pol = _make_policy(policy, s, uses[l], kw)
-                    memo[(l, s)] = _replay_layer(uses[l], None if preds is None else preds[l], phases, pol)
+                    memo[(l, s)] = _replay_layer(uses[l], None if preds is None else preds[l], phases, pol,
+                                                 prefetch_buffer)
                 counts.append(memo[(l, s)])
             r = _combine(counts, slots, expert_bytes, phase is not None).overall
             cols["boundary"].append(b)
@@ -234,6 +254,7 @@ def miss_curves(
     policy: PolicySpec = "lru",
     predictions: Predictions | None = None,
     policy_kw: dict | None = None,
+    prefetch_buffer: int = 0,
 ) -> list[list[int]]:
     """``curves[l][c]`` = misses of layer l with c slots (c = 0..E), prefetching included.
 
@@ -245,7 +266,8 @@ def miss_curves(
     for l in range(L):
         curve = []
         for c in range(num_experts + 1):
-            r = _replay_layer(uses[l], None if preds is None else preds[l], phases, _make_policy(policy, c, uses[l], kw))
+            r = _replay_layer(uses[l], None if preds is None else preds[l], phases, _make_policy(policy, c, uses[l], kw),
+                              prefetch_buffer)
             curve.append(r["uses"] - r["hits"])
         curves.append(curve)
     return curves

@@ -120,7 +120,12 @@ def predictions_for(trace: Trace, predictor: str):
     raise ValueError(f"unknown predictor {predictor!r}; choose one of {PREDICTOR_CHOICES}")
 
 
-_pred_cache: dict[tuple[int, str], object] = {}
+_pred_cache: dict[tuple, object] = {}
+
+
+def _buffer(trace: Trace, predictor: str) -> int:
+    """Staging slots for prefetches, as the runtime keeps them: top_k when prefetching, else none."""
+    return 0 if predictor == "none (cache only)" else trace.top_k
 
 
 def _predictions(trace: Trace, predictor: str):
@@ -149,7 +154,8 @@ def make_allocation(allocation: str, boundary: int, calibration: Trace | None = 
         key = (id(calibration), "curves", replacement, predictor)
         if key not in _pred_cache:
             _pred_cache[key] = miss_curves(calibration.experts, calibration.num_experts, policy=replacement,
-                                           predictions=_predictions(calibration, predictor))
+                                           predictions=_predictions(calibration, predictor),
+                                           prefetch_buffer=_buffer(calibration, predictor))
         return allocation_from_name("miss_curve", curves=_pred_cache[key])
     raise ValueError(f"unknown allocation {allocation!r}; choose one of {ALLOCATION_CHOICES}")
 
@@ -160,8 +166,8 @@ def cache_table(trace: Trace, boundary: int, cache_total: int, allocation: str =
     """Per-layer slots and hit rates of one cache configuration, replayed on the trace."""
     alloc = make_allocation(allocation, boundary, calibration, replacement, predictor)
     slots = alloc.allocate(cache_total, trace.num_layers, trace.num_experts)
-    res = replay(trace.experts, slots_per_layer=slots, policy=replacement,
-                 predictions=_predictions(trace, predictor), phase=trace.phase)
+    res = replay(trace.experts, slots_per_layer=slots, policy=replacement, predictions=_predictions(trace, predictor),
+                 phase=trace.phase, prefetch_buffer=_buffer(trace, predictor))
     df = pd.DataFrame(res.per_layer)
     df.attrs["overall"] = res.overall
     return df
@@ -171,7 +177,8 @@ def cache_grid(trace: Trace, boundaries, budgets, replacement: str = "arc",
                predictor: str = "cross-layer percentile 75", phase: str = "decode") -> pd.DataFrame:
     """Hit rate over a grid of shallow boundary L x cache_total (rows L, columns budget)."""
     cols = sweep(trace.experts, boundaries=list(boundaries), budgets=list(budgets), num_experts=trace.num_experts,
-                 policy=replacement, predictions=_predictions(trace, predictor), phase=trace.phase)
+                 policy=replacement, predictions=_predictions(trace, predictor), phase=trace.phase,
+                 prefetch_buffer=_buffer(trace, predictor))
     df = pd.DataFrame(cols)
     key = "hit_rate" if phase == "all" else f"hit_rate_{phase}"
     return df.pivot(index="boundary", columns="cache_total", values=key)

@@ -137,3 +137,17 @@ def test_sweep_matches_replay_and_is_fast():
     r = replay(ex, slots_per_layer=slots, policy="arc", predictions=preds, phase=phase)
     assert (out["boundary"][i], out["cache_total"][i], out["slots"][i]) == (3, 192, slots)
     assert out["hit_rate"][i] == r.hit_rate and out["bytes_moved"][i] == r.overall["bytes_moved"]
+
+
+def test_prefetch_buffer_stages_what_the_cache_cannot_take():
+    # one layer, no cache slots. Token 0 uses expert 1, token 1 uses expert 2. Predictions: [1, 3]
+    # then [3]. With a staging buffer of 1: token 0 stages 1 (used: hit), 3 does not fit the buffer;
+    # token 1 stages 3 (unused: wasted), 2 is a miss.
+    experts = torch.tensor([[[1]], [[2]]])
+    preds = [[[1, 3]], [[3]]]
+    r = replay(experts, slots_per_layer=[0], policy="lru", predictions=preds, prefetch_buffer=1)
+    assert (r.overall["hits"], r.overall["misses"]) == (1, 1)
+    assert (r.overall["prefetch_loads"], r.overall["prefetch_useful"], r.overall["prefetch_wasted"]) == (2, 1, 1)
+    assert r.overall["demand_loads"] == 1
+    r0 = replay(experts, slots_per_layer=[0], policy="lru", predictions=preds)  # no buffer: nothing lands
+    assert (r0.overall["hits"], r0.overall["prefetch_loads"]) == (0, 0)
