@@ -15,7 +15,7 @@ import math
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -157,8 +157,6 @@ def evaluate(model, stream: torch.Tensor, cfg: TrainConfig) -> float:
 @torch.no_grad()
 def expert_load(model, stream: torch.Tensor, tokens: int = 16384, seq_len: int = 256) -> list[list[float]]:
     """Share of routed assignments each expert receives, per MoE layer, on ``tokens`` tokens."""
-    from transformers import Qwen2MoeConfig  # noqa: F401 (same family as trained)
-
     model.eval()
     counts = None
     n = min(tokens // seq_len, (stream.numel() - 1) // seq_len)
