@@ -2,7 +2,9 @@
 
 budget = dense weights + KV cache (per token x context) + working buffers + cache_total x expert.
 The working buffers are the ``top_k`` experts one layer computes with plus the prefetch
-buffers; below dense + KV + buffers nothing can run. Pure arithmetic: this module allocates
+buffers, plus ``scratch_bytes`` (a packed-slot runtime's full-precision scratch that an expert
+is dequantized into before it computes; 0 when slots hold full precision); below dense + KV +
+buffers nothing can run. Pure arithmetic: this module allocates
 nothing; per-layer splitting of ``cache_total`` is ``fate_lab.allocation``'s job.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ class MemoryPlan:
     budget_bytes: int  # what the runtime may use on the device
     dense_bytes: int  # embeddings, attention, norms, routers, shared experts
     kv_bytes: int  # KV cache for the whole context
-    buffer_bytes: int  # top_k compute slots + prefetch buffers
+    buffer_bytes: int  # top_k compute slots + prefetch buffers (+ dequantize scratch)
     expert_bytes: int  # one expert as cached (e.g. INT4)
     cache_total: int  # expert cache slots left, over all layers
     min_budget_bytes: int  # dense + KV + buffers: the least that can run
@@ -44,10 +46,12 @@ def _check_nonneg(**kw: int) -> None:
 
 
 def min_budget(
-    dense_bytes: int, kv_bytes_per_token: int, context_len: int, expert_bytes: int, top_k: int, prefetch_buffer_experts: int
+    dense_bytes: int, kv_bytes_per_token: int, context_len: int, expert_bytes: int, top_k: int, prefetch_buffer_experts: int,
+    scratch_bytes: int = 0,
 ) -> int:
-    """The minimum working set in bytes: dense + KV + (top_k + prefetch buffers) experts."""
-    return dense_bytes + kv_bytes_per_token * context_len + (top_k + prefetch_buffer_experts) * expert_bytes
+    """The minimum working set in bytes: dense + KV + (top_k + prefetch buffers) experts + scratch."""
+    return dense_bytes + kv_bytes_per_token * context_len + (top_k + prefetch_buffer_experts) * expert_bytes + \
+        scratch_bytes
 
 
 def plan_memory(
@@ -60,6 +64,7 @@ def plan_memory(
     top_k: int,
     prefetch_buffer_experts: int,
     num_experts: int | None = None,
+    scratch_bytes: int = 0,
 ) -> MemoryPlan:
     """Split a byte budget; ``cache_total`` is capped at ``num_layers * num_experts`` if given.
 
@@ -67,17 +72,20 @@ def plan_memory(
     minimum working set.
     """
     _check_nonneg(budget_bytes=budget_bytes, dense_bytes=dense_bytes, kv_bytes_per_token=kv_bytes_per_token,
-                  context_len=context_len, top_k=top_k, prefetch_buffer_experts=prefetch_buffer_experts)
+                  context_len=context_len, top_k=top_k, prefetch_buffer_experts=prefetch_buffer_experts,
+                  scratch_bytes=scratch_bytes)
     if expert_bytes <= 0 or num_layers <= 0:
         raise ValueError(f"expert_bytes and num_layers must be > 0, got {expert_bytes}, {num_layers}")
     kv = kv_bytes_per_token * context_len
-    buffers = (top_k + prefetch_buffer_experts) * expert_bytes
+    buffers = (top_k + prefetch_buffer_experts) * expert_bytes + scratch_bytes
     need = dense_bytes + kv + buffers
     if budget_bytes < need:
         raise ValueError(
             f"budget {budget_bytes} bytes ({budget_bytes / MiB:.1f} MiB) is below the minimum working set "
             f"{need} bytes ({need / MiB:.1f} MiB) = dense {dense_bytes} + KV {kv} ({context_len} tokens) "
-            f"+ buffers {buffers} ({top_k} + {prefetch_buffer_experts} experts); raise the budget to at least "
+            f"+ buffers {buffers} ({top_k} + {prefetch_buffer_experts} experts"
+            + (f" + {scratch_bytes} bytes of dequantize scratch" if scratch_bytes else "")
+            + f"); raise the budget to at least "
             f"{need / MiB:.1f} MiB, shorten context_len, or use fewer prefetch buffers"
         )
     cache_total = (budget_bytes - need) // expert_bytes
@@ -95,9 +103,11 @@ def plan_from_slots(
     num_layers: int,
     top_k: int,
     prefetch_buffer_experts: int,
+    scratch_bytes: int = 0,
 ) -> MemoryPlan:
     """The plan (and the byte budget it needs) when the budget is given as ``cache_total`` slots."""
     _check_nonneg(cache_total=cache_total)
-    need = min_budget(dense_bytes, kv_bytes_per_token, context_len, expert_bytes, top_k, prefetch_buffer_experts)
+    need = min_budget(dense_bytes, kv_bytes_per_token, context_len, expert_bytes, top_k, prefetch_buffer_experts,
+                      scratch_bytes)
     return plan_memory(need + cache_total * expert_bytes, dense_bytes, kv_bytes_per_token, context_len,
-                       expert_bytes, num_layers, top_k, prefetch_buffer_experts)
+                       expert_bytes, num_layers, top_k, prefetch_buffer_experts, scratch_bytes=scratch_bytes)

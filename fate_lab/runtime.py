@@ -29,16 +29,21 @@ precision): the host store keeps the packed copies the policy needs (`QuantizedS
 "prefetch" for predicted experts, "prefill_low" for the least popular `prefill_low_share` of the
 experts a prefill step sends ahead (the tail of the predictor's most-probable-first order,
 counted over those that got a slot), "miss" for
-on-demand loads, "cache" for the all-resident preload; the link moves the packed bytes and the
-device dequantizes them into the slot (`transfer.py`), so the compute below is unchanged. Bytes
-moved are the packed sizes; `stats.moved` counts landed transfers per (phase, layer, precision).
+on-demand loads, "cache" for the all-resident preload. Bytes moved are the packed sizes;
+`stats.moved` counts landed transfers per (phase, layer, precision).
+Device slots under quantization are *packed* (`transfer.PackedSlots`): every cache and staging
+slot is a row of one uint8 pool, `slot_expert_bytes` wide = the largest layout of any precision
+that travels (INT4 codes + fp16 scales + zeros under `fate`; segments 8-byte aligned). The link
+moves the packed bytes into the slot as they are; an expert that arrives at a lower precision
+(INT2 misses and prefill tail) sits in the same slot in its own, smaller packed form (the rest
+of the row is unused), so a slot holds whatever precision last arrived in it. Right before an
+expert computes, its slot is dequantized into `_SCRATCH_SLOTS` (one) full-precision scratch
+expert (experts compute one after another, so one suffices); every use of a cached expert
+dequantizes again, as Fate's dequantize-before-compute does. The planner counts the packed
+slots plus that scratch (`plan.buffer_bytes`), so `device_bytes()` + the planned KV stays within
+the budget. A precision of None in a policy (a full-precision layer override) is held in the
+pool as raw bytes of the model dtype and computes in place.
 Departures from Fate, stated plainly:
-* the device slots hold *dequantized* weights in the model dtype, not INT4. The planner is
-  given the packed size of the largest precision that travels (`slot_expert_bytes`: INT4 under
-  `fate`), i.e. it counts what a device with packed slots (dequantize-before-compute) would
-  hold, so a budget buys the slots the paper's cache would have; `device_bytes()` reports the
-  emulation's real, larger fp slot tensors (`describe()["device_slot_bytes"]`), and the
-  fp scratch such a packed-slot design needs for the dequantized expert is not counted;
 * an expert loaded on demand at INT2 that gets a cache slot stays cached at INT2 until
   evicted (the paper does not say whether INT2 misses are cached);
 * on a scaled link (`links.REAL_SETUPS`) with quantization on, the link is calibrated on the
@@ -67,15 +72,16 @@ from transformers.integrations.moe import ExpertsInterface
 from .adapters import MoEAdapter, adapt
 from .allocation import allocation_from_name
 from .links import LINK_PROFILES, LinkProfile, resolve_link
-from .planner import MemoryPlan, plan_from_slots, plan_memory
+from .planner import plan_from_slots, plan_memory
 from .stats import PHASES, PhaseStats, RuntimeStats
 from .predictors import ActivationPath, CrossLayerGate, Percentile, Predictor, SelectionRule, TopK
 from .quant import QuantPolicy, QuantSpec, expert_nbytes
 from .replacement import policy_from_name
 from .store import HostStore, QuantizedStore, RamStore, SafetensorsStore
-from .transfer import CudaCopyEngine, EmulatedLink, Transfer, TransferEngine, _SlotWriter
+from .transfer import CudaCopyEngine, EmulatedLink, PackedSlots, Transfer, TransferEngine, _SlotWriter
 
 IMPLEMENTATION = "fate_offload"
+_SCRATCH_SLOTS = 1  # full-precision experts a packed-slot (quantized) runtime dequantizes into
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -216,9 +222,17 @@ class Runtime:
         self.top_k, self.num_experts, M = a.top_k, a.num_experts, a.num_moe_layers
         self.expert_bytes = a.bytes_per_expert()  # one expert at full precision (the model's dtype)
         self.quant: QuantPolicy | None = QuantPolicy.preset(config.quant) if config.quant is not None else None
-        # what one device slot is planned at: the largest precision that ever travels (packed slots)
-        self.slot_expert_bytes = self.expert_bytes if self.quant is None else max(
-            self._precision_nbytes(s) for m in range(M) for s in self.quant.host_specs(m))
+        # what one device slot holds: the largest precision that ever travels (packed slots), and
+        # the fp scratch a packed expert is dequantized into before it computes
+        self.slot_expert_bytes, scratch_bytes = self.expert_bytes, 0
+        if self.quant is not None:
+            for m in range(M):  # refuses a group size the experts' shapes cannot take
+                for s in self.quant.host_specs(m):
+                    self._precision_nbytes(s)
+            self._slot_specs = tuple(dict.fromkeys(s for m in range(M) for s in self.quant.host_specs(m)))
+            self.slot_expert_bytes = max(PackedSlots.layout_bytes(*self._expert_shapes(), s, self.dtype)
+                                         for s in self._slot_specs)
+            scratch_bytes = _SCRATCH_SLOTS * self.expert_bytes
 
         # 1. the memory plan and per-layer slots (pure policies)
         self.prefetching = config.predictor is not None
@@ -229,13 +243,13 @@ class Runtime:
             raise ValueError("give the budget either in bytes (budget=) or in expert slots (slots=), not both")
         if config.budget is not None and not config.all_resident:
             self.plan = plan_memory(config.budget, dense, kv, config.context_len, self.slot_expert_bytes, M,
-                                    self.top_k, buffers, num_experts=self.num_experts)
+                                    self.top_k, buffers, num_experts=self.num_experts, scratch_bytes=scratch_bytes)
         else:
             slots = M * self.num_experts
             if config.slots is not None and not config.all_resident:
                 slots = min(config.slots, slots)
             self.plan = plan_from_slots(slots, dense, kv, config.context_len, self.slot_expert_bytes, M,
-                                        self.top_k, buffers)
+                                        self.top_k, buffers, scratch_bytes=scratch_bytes)
         cache_total = self.plan.cache_total if config.cache else 0
         shallow = config.shallow_layers if config.shallow_layers is not None else max(1, round(M / 8))
         params = {"shallow_layers": shallow} if config.allocation == "shallow" else {}
@@ -262,8 +276,16 @@ class Runtime:
         a, M = self.adapter, self.adapter.num_moe_layers
         inter, hidden = a.expert_intermediate_size, a.hidden_size
         n_slots = sum(self.slots_per_layer) + n_staging
-        self.gate_up_slots = torch.empty(n_slots, 2 * inter, hidden, dtype=self.dtype, device=self.device)  # (S, 2I, H)
-        self.down_slots = torch.empty(n_slots, hidden, inter, dtype=self.dtype, device=self.device)  # (S, H, I)
+        self.packed_slots: PackedSlots | None = None
+        if self.quant is None:
+            self.gate_up_slots = torch.empty(n_slots, 2 * inter, hidden, dtype=self.dtype, device=self.device)  # (S, 2I, H)
+            self.down_slots = torch.empty(n_slots, hidden, inter, dtype=self.dtype, device=self.device)  # (S, H, I)
+        else:  # packed slots (uint8 pool [S, slot_expert_bytes]); gate_up/down_slots are the fp scratch
+            self.packed_slots = PackedSlots(*self._expert_shapes(), self._slot_specs, self.dtype, n_slots,
+                                            _SCRATCH_SLOTS, self.device)
+            assert self.packed_slots.slot_bytes == self.slot_expert_bytes
+            self.gate_up_slots = self.packed_slots.gate_up_scratch  # (n, 2I, H)
+            self.down_slots = self.packed_slots.down_scratch  # (n, H, I)
         self.layers: list[_Layer] = []
         base = 0
         for m, c in enumerate(self.slots_per_layer):
@@ -282,7 +304,7 @@ class Runtime:
         self.link: LinkProfile = resolve_link(config.link, link_ref, self.layer_compute_s)
         self.predictor: Predictor | None = self._build_predictor()
         self.router_host = [a.router_weight(m).detach().to("cpu", torch.float32).clone() for m in range(M)]  # (E, H)
-        self._writer = _SlotWriter(self.store, self.gate_up_slots, self.down_slots)  # synchronous loads
+        self._writer = _SlotWriter(self.store, self.gate_up_slots, self.down_slots, self.packed_slots)  # sync loads
         self.engine: TransferEngine = self._build_engine()
         self.stats = RuntimeStats(
             layers=[{p: PhaseStats() for p in PHASES} for _ in range(M)],
@@ -310,6 +332,11 @@ class Runtime:
                            ("has_gate", True), ("has_post_expert_norm", False)):
             if getattr(mod, flag, want) != want:
                 raise NotImplementedError(f"{type(mod).__name__}.{flag}={not want} is not supported by the runtime")
+
+    def _expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(gate_up (2I, H), down (H, I)) of one expert."""
+        a = self.adapter
+        return (2 * a.expert_intermediate_size, a.hidden_size), (a.hidden_size, a.expert_intermediate_size)
 
     def _precision_nbytes(self, spec: QuantSpec | None) -> int:
         """Bytes of one expert at spec (packed + scales + zeros), or at full precision for None."""
@@ -354,8 +381,8 @@ class Runtime:
 
     def _build_engine(self) -> TransferEngine:
         if self.device.type == "cuda" and self.config.native_link:
-            return CudaCopyEngine(self.store, self.gate_up_slots, self.down_slots)
-        return EmulatedLink(self.store, self.gate_up_slots, self.down_slots, self.link)
+            return CudaCopyEngine(self.store, self.gate_up_slots, self.down_slots, packed_slots=self.packed_slots)
+        return EmulatedLink(self.store, self.gate_up_slots, self.down_slots, self.link, packed_slots=self.packed_slots)
 
     def _free_fused_experts(self) -> None:
         """Replace the fused expert tensors by empty ones: the device keeps no routed expert."""
@@ -477,15 +504,19 @@ class Runtime:
                     raise RuntimeError(f"no slot for expert {e} of MoE layer {m} (runtime bug)")
             slot = self._ready_slot(m, e, st)
             t0 = time.perf_counter()
+            if self.packed_slots is None:
+                gate_up, down = self.gate_up_slots[slot], self.down_slots[slot]  # (2I, H), (H, I)
+            else:  # packed slot: dequantized into the fp scratch on the device, right before it computes
+                gate_up, down = self.packed_slots.weights(slot)
             if T == 1:  # decode: expert e sits at one position k of the single token
                 k = flat.index(e)
-                h = experts_mod._apply_gate(F.linear(hidden_states, self.gate_up_slots[slot]))  # (1, I)
-                weighted[k:k + 1] = F.linear(h, self.down_slots[slot]) * flat_w[k:k + 1, None]  # (1, H)
+                h = experts_mod._apply_gate(F.linear(hidden_states, gate_up))  # (1, I)
+                weighted[k:k + 1] = F.linear(h, down) * flat_w[k:k + 1, None]  # (1, H)
             else:
                 pos = (flat_idx == e).nonzero().squeeze(1)  # (n,) flat (token, k) positions of e
                 x = hidden_states[pos // K]  # (n, H)
-                h = experts_mod._apply_gate(F.linear(x, self.gate_up_slots[slot]))  # (n, I)
-                weighted[pos] = F.linear(h, self.down_slots[slot]) * flat_w[pos].unsqueeze(-1)  # (n, H)
+                h = experts_mod._apply_gate(F.linear(x, gate_up))  # (n, I)
+                weighted[pos] = F.linear(h, down) * flat_w[pos].unsqueeze(-1)  # (n, H)
             self._event("compute", m, e, t0, time.perf_counter())
             pending.discard(e)
             if e in layer.staged and e not in layer.inflight:
@@ -690,7 +721,9 @@ class Runtime:
         self._t0 = time.perf_counter()
 
     def device_tensors(self) -> list[torch.Tensor]:
-        """The device tensors the runtime allocated (the slots); allocated once, never resized."""
+        """The device tensors the runtime allocated (the slots; packed: the pool and the fp scratch)."""
+        if self.packed_slots is not None:
+            return self.packed_slots.tensors()
         return [self.gate_up_slots, self.down_slots]
 
     def device_bytes(self) -> int:
@@ -722,7 +755,7 @@ class Runtime:
             h.remove()
         for m in range(self.adapter.num_moe_layers):
             del self.adapter.experts_module(m)._fate_offloaded
-        self.gate_up_slots = self.down_slots = None  # the slots go before the fused tensors come back
+        self.gate_up_slots = self.down_slots = self.packed_slots = None  # the slots go before the fused tensors
         if restore:
             self._restore_fused_experts()
             self.model.set_experts_implementation(self._prev_impl)

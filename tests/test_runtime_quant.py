@@ -1,6 +1,6 @@
 """Quantized experts in the runtime: INT8 keeps the greedy output, the runtime's logits equal an
 independent quantized copy of the model, packed bytes are what moves (and what the link holds
-for), and the planner fits more slots at INT4."""
+for) and what the device slots hold, and the planner fits more slots at INT4 within the budget."""
 from __future__ import annotations
 
 
@@ -139,12 +139,73 @@ def test_a_budget_holds_more_slots_at_int4():
     budget = need_fp + 1 * fp  # one fp32 cache slot
     with offload(model, OffloadConfig.preset("fate", link="test_fast", budget=budget)) as rt:
         assert rt.plan.cache_total == 1
-    # INT4: the buffers shrink too; (budget - dense - KV - 4 x 6912) // 6912 = (49152 + 4 x 42240) // 6912 = 31
+    # INT4: the buffers shrink too, plus one fp32 scratch expert that a packed slot is dequantized into;
+    # (budget - dense - KV - 4 x 6912 - 49152) // 6912 = (4 x 42240) // 6912 = 24
     with offload(model, OffloadConfig.preset("fate_quant", link="test_fast", budget=budget)) as rt:
         assert rt.slot_expert_bytes == int4  # the largest precision that travels (INT4 > INT2)
-        assert rt.plan.cache_total == (fp + 4 * (fp - int4)) // int4 == 31
-        assert sum(rt.slots_per_layer) == 31
-        assert rt.describe()["device_slot_bytes"] == (31 + 4) * fp  # the emulation's slots hold fp32
+        assert rt.plan.cache_total == (4 * (fp - int4)) // int4 == 24
+        assert rt.plan.buffer_bytes == 4 * int4 + fp
+        assert sum(rt.slots_per_layer) == 24
+        assert rt.describe()["device_slot_bytes"] == (24 + 4) * int4 + fp  # packed slots + fp scratch
+
+
+@pytest.mark.parametrize("preset, quant", [("fate_quant", "fate"), ("fate_int8", "int8"), ("fate", "int4"),
+                                           ("lru", "int4"), ("load_on_demand", "fate")])
+def test_quantized_runtime_fits_its_budget_with_packed_slots(preset, quant):
+    """Like test_every_preset_matches_plain_model for fp: slots + dense + planned KV fit the budget,
+    because the device slots really hold packed bytes (plus one fp scratch expert)."""
+    model = _model(seed=5)
+    a = adapt(model)
+    ids = _prompt(model.config.vocab_size, n=12, seed=6)
+    spec = None if quant == "fate" else QuantSpec.preset(quant)
+    if spec is not None:
+        ref_tokens, ref_logits = _generate(quantize_model_experts(model, spec), ids)
+    int4 = _hand_expert_bytes(64, 64, 4, 64)
+    budget = a.dense_bytes() + a.kv_bytes_per_token() * 512 + 2 * a.bytes_per_expert() + 5 * int4  # 8-10 INT4 slots
+    with offload(model, OffloadConfig.preset(preset, link="test_fast", budget=budget, quant=quant)) as rt:
+        tokens, logits = _generate(model, ids)
+        kv = a.kv_bytes_per_token() * rt.config.context_len
+        assert rt.device_bytes() + kv <= budget
+        # exactly what the plan counts: dense + KV + staging (packed) + fp scratch + the packed cache slots
+        cached = sum(rt.slots_per_layer)
+        assert rt.device_bytes() + kv == rt.plan.min_budget_bytes + cached * rt.slot_expert_bytes
+        if rt.config.cache:  # the cache took every slot the budget buys: less than one slot is left over
+            assert cached == rt.plan.cache_total > 0
+            assert budget - (rt.device_bytes() + kv) < rt.slot_expert_bytes
+        pool = rt.packed_slots.pool
+        assert pool.dtype == torch.uint8 and pool.shape == (cached + rt.n_staging, rt.slot_expert_bytes)
+        assert rt.gate_up_slots.shape[0] == 1  # the only fp expert on the device: the dequantize scratch
+        held = {s for s in rt.packed_slots.spec_of if s is not None}
+    if quant == "fate":  # INT2 misses sit in INT4-sized slots in their own packed form
+        assert {s.bits for s in held} == {2, 4} or preset == "load_on_demand" and 2 in {s.bits for s in held}
+    else:
+        assert torch.equal(tokens, ref_tokens), preset
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_slot_holds_the_packed_bytes_and_dequantizes_like_the_host_copy():
+    from fate_lab.transfer import PackedSlots
+
+    model = _model()
+    base = RamStore.from_adapter(adapt(model))
+    int4, int2 = QuantSpec.preset("int4"), QuantSpec.preset("int2")
+    store = QuantizedStore(base, [(int4, int2), (int4, int2)])
+    slots = PackedSlots((128, 64), (64, 64), (int4, int2), torch.float32, n_slots=2, n_scratch=1, device="cpu")
+    assert slots.slot_bytes == 6912 and slots.nbytes == 2 * 6912 + 49152
+    eng = EmulatedLink(store, slots.gate_up_scratch, slots.down_scratch, LinkProfile("fast", 1e12, 0.0),
+                       packed_slots=slots)
+    try:
+        a, b = eng.submit(0, 3, 0, spec=int4), eng.submit(1, 5, 1, spec=int2)
+        assert eng.wait(a) and eng.wait(b) and (a.nbytes, b.nbytes) == (6912, 4608)
+    finally:
+        eng.close()
+    assert slots.spec_of == [int4, int2]
+    for slot, (m, e, spec) in enumerate(((0, 3, int4), (1, 5, int2))):
+        host = store.fetch_at(m, e, spec)
+        dev = slots.view(slot)
+        assert torch.equal(dev.gate_up.packed, host.gate_up.packed) and torch.equal(dev.down.zero, host.down.zero)
+        gu, dn = slots.weights(slot)
+        assert torch.equal(gu, host.gate_up.dequantize()) and torch.equal(dn, host.down.dequantize())
 
 
 def test_emulated_link_holds_for_the_packed_bytes_and_dequantizes_into_the_slot():
@@ -216,3 +277,17 @@ def test_stepwise_forward_equals_the_full_forward():
         StepwiseForward(model)(input_ids=ids)
     s = rt.stats.summary()
     assert s["decode"]["forwards"] == 6 and s["prefill"]["forwards"] == 0
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int3", "int2"])
+def test_device_side_dequantize_is_bit_exact(name):
+    from fate_lab.quant import quantize
+    from fate_lab.transfer import _dequantize_into
+
+    w = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))  # (2I, H)
+    q = quantize(w, QuantSpec.preset(name))
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = q.dequantize(dtype)
+        assert torch.equal(_dequantize_into(q, torch.empty(128, 64, dtype=dtype)), ref)
+        out = torch.empty(2, 64, 128, dtype=dtype).transpose(1, 2)[0]  # a non-contiguous target
+        assert torch.equal(_dequantize_into(q, out), ref)
