@@ -78,7 +78,8 @@ def plan_memory(
         raise ValueError(f"expert_bytes and num_layers must be > 0, got {expert_bytes}, {num_layers}")
     kv = kv_bytes_per_token * context_len
     buffers = (top_k + prefetch_buffer_experts) * expert_bytes + scratch_bytes
-    need = dense_bytes + kv + buffers
+    need = min_budget(dense_bytes, kv_bytes_per_token, context_len, expert_bytes, top_k, prefetch_buffer_experts,
+                      scratch_bytes)
     if budget_bytes < need:
         raise ValueError(
             f"budget {budget_bytes} bytes ({budget_bytes / MiB:.1f} MiB) is below the minimum working set "
