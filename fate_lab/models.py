@@ -3,6 +3,12 @@
 What it is: one call, ``load_model(path_or_None, device=..., dtype=...)``, that loads a model and
 its tokenizer from a local directory (never from a hub) and checks that fate_lab supports its
 MoE family. What it is not: a downloader; safetensors only (no pickled weights).
+
+A model folder holds ``config.json``, ``*.safetensors`` weights and tokenizer files
+(``tokenizer.json``, or ``tokenizer.model``, or ``vocab.json`` + ``merges.txt``, or ``vocab.txt``).
+``load_model`` refuses, with a message saying what is wrong: a file instead of a folder, a folder
+without weights, config or tokenizer files, a tokenizer that encodes text to no tokens, and
+weights that load as NaN/inf (a corrupted file).
 """
 from __future__ import annotations
 
@@ -11,6 +17,10 @@ from pathlib import Path
 import torch
 
 from fate_lab.paths import TINY_MOE_DIR
+
+# tokenizer files transformers can build a tokenizer from; any one group suffices
+_TOKENIZER_FILE_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
+_PROBE_TEXT = "The quick brown fox jumps over the lazy dog."
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -25,6 +35,55 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
+def _expected_tokenizer_files() -> str:
+    """The accepted tokenizer file sets, for error messages."""
+    return ", or ".join(" + ".join(group) for group in _TOKENIZER_FILE_SETS)
+
+
+def _check_model_folder(path: Path) -> None:
+    """FileNotFoundError/NotADirectoryError unless path is a folder with config, weights and tokenizer files."""
+    if path.is_file():
+        parent = path.parent
+        hint = f", e.g. {parent}, the folder this file is in" if (parent / "config.json").is_file() else ""
+        raise NotADirectoryError(f"{path} is a file, not a model folder; pass a model folder containing config.json "
+                                 f"and the *.safetensors weights{hint}")
+    if not path.is_dir():
+        hint = " (the embedded model ships in data/tiny_moe of a full clone)" if path == TINY_MOE_DIR else ""
+        raise FileNotFoundError(f"model directory {path} does not exist{hint}; fate_lab never downloads models")
+    if not list(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors weights in {path}; fate_lab loads safetensors only (no pickles)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}; a model folder holds config.json, *.safetensors "
+                                f"weights and tokenizer files")
+    if not any(all((path / name).is_file() for name in group) for group in _TOKENIZER_FILE_SETS):
+        raise FileNotFoundError(f"no tokenizer files in {path}: expected {_expected_tokenizer_files()} "
+                                f"(with tokenizer_config.json); copy them from the model the weights came from")
+
+
+def _check_tokenizer(tokenizer, path: Path) -> None:
+    """ValueError if the tokenizer encodes a plain English sentence to no tokens (an empty vocabulary)."""
+    ids = tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"the tokenizer in {path} encodes text to no tokens ({_PROBE_TEXT!r} -> [], "
+                         f"vocabulary of {len(tokenizer)}); its tokenizer files are empty or broken: expected "
+                         f"{_expected_tokenizer_files()} of the model the weights came from")
+
+
+def _check_finite(model: torch.nn.Module, path: Path, dtype: torch.dtype | None) -> None:
+    """ValueError naming the first parameter holding NaN/inf (one isfinite(...).all() per tensor)."""
+    for name, p in model.named_parameters():
+        finite = torch.isfinite(p)
+        if bool(finite.all()):
+            continue
+        bad = ~finite
+        first = tuple(int(i) for i in torch.unravel_index(bad.reshape(-1).int().argmax(), p.shape))
+        hint = (f" (or the cast to {dtype} overflowed: try dtype=None or 'float32')"
+                if dtype in (torch.float16, torch.bfloat16) else "")
+        raise ValueError(f"{path}: parameter {name!r} of shape {tuple(p.shape)} holds {int(bad.sum())} non-finite "
+                         f"values (NaN/inf) after loading, the first at index {first}; the weight file is "
+                         f"corrupted{hint}. Re-export or re-copy the *.safetensors weights.")
+
+
 def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = torch.float32, experts_implementation: str | None = None):
     """Load ``(model, tokenizer)`` from a local directory; ``None`` means the embedded tiny MoE."""
@@ -33,20 +92,18 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     from fate_lab.adapters import SUPPORTED_FAMILIES
 
     path = Path(path) if path is not None else TINY_MOE_DIR
-    if not path.is_dir():
-        hint = " (the embedded model ships in data/tiny_moe of a full clone)" if path == TINY_MOE_DIR else ""
-        raise FileNotFoundError(f"model directory {path} does not exist{hint}; fate_lab never downloads models")
-    if not list(path.glob("*.safetensors")):
-        raise FileNotFoundError(f"no *.safetensors weights in {path}; fate_lab loads safetensors only (no pickles)")
+    _check_model_folder(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if config.model_type not in SUPPORTED_FAMILIES:
         raise ValueError(f"{path} is a {config.model_type!r} model; fate_lab supports the MoE families "
                          f"{', '.join(SUPPORTED_FAMILIES)}")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)  # before the weights: fails fast
+    _check_tokenizer(tokenizer, path)
     kwargs = {"local_files_only": True, "use_safetensors": True}
     if (d := resolve_dtype(dtype)) is not None:
         kwargs["dtype"] = d
     if experts_implementation is not None:
         kwargs["experts_implementation"] = experts_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tokenizer
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    _check_finite(model, path, d)
+    return model.to(device).eval(), tokenizer

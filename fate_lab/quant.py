@@ -19,6 +19,12 @@ rows -- one expert of a fused [E, 2I, H] tensor -- quantizes exactly as the whol
   * scale and zero are fp16. For min-max they are rounded outward (zero down, scale up) before the
     codes are computed from them, so every element stays within the grid and |w - w_hat| <=
     scale/2 holds with the stored fp16 scale.
+  * Inputs must be finite with max |w| <= 65504 (the fp16 maximum): `quantize` refuses NaN/inf
+    weights (they would poison their group) and larger ones (a group's zero below -65504, or its
+    span / (2^b - 1) above 65504, overflows fp16 and the group dequantizes to NaN) with a ValueError
+    naming the tensor. The rule is on max |w|, not on the spec, so a tensor is accepted or refused
+    at every bit width alike. Scale and zero are not widened for such a tensor, because the byte
+    counts and the packed slots of `transfer.PackedSlots` assume 2-byte fp16 for both.
   * Packing runs over the flattened codes in row-major order; every 8 codes form one
     little-endian integer of 8*b bits written as b bytes (code i sits at bits [b*i, b*i+b)).
     So 4-bit is 2 codes per byte (low nibble first), 2-bit is 4 codes per byte (lowest bits
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
@@ -66,6 +73,22 @@ import torch.nn.functional as F
 SUPPORTED_BITS = (2, 3, 4, 8)
 REASONS = ("cache", "prefetch", "prefill_low", "miss")
 _SCALE_DTYPE = torch.float16  # scale and zero storage; 2 bytes each per group
+_FP16_MAX = float(torch.finfo(_SCALE_DTYPE).max)  # 65504: the largest |w| a tensor may hold to be quantized
+
+
+def _as_int(value, what: str, allowed: str) -> int:
+    """value as a plain int; TypeError naming `what` for floats, bools, strings and other non-integers."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__}); allowed: {allowed}")
+    return int(value)
+
+
+def _check_bits(bits: int, what: str = "bits") -> int:
+    """bits as a plain int; TypeError unless an integer, ValueError unless a supported width."""
+    bits = _as_int(bits, what, f"one of {SUPPORTED_BITS}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{what}={bits} is not supported; use one of {SUPPORTED_BITS}")
+    return bits
 
 
 # --- specs --------------------------------------------------------------------------------
@@ -78,10 +101,16 @@ class QuantSpec:
     refine: bool = False  # HQQ half-quadratic refinement of the zero (slower; lower mean error)
 
     def __post_init__(self):
-        if self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits={self.bits} is not supported; use one of {SUPPORTED_BITS}")
-        if not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size must be a positive int, got {self.group_size!r}")
+        # numpy ints are accepted and stored as plain ints, so equal specs hash equal
+        object.__setattr__(self, "bits", _check_bits(self.bits, "QuantSpec bits"))
+        group_size = _as_int(self.group_size, "QuantSpec group_size", "a positive int such as 32, 64 or 128")
+        if group_size < 1:
+            raise ValueError(f"QuantSpec group_size={group_size} is not allowed; group_size must be a positive int "
+                             f"(weights sharing one scale/zero along the last dim, e.g. 32, 64 or 128)")
+        object.__setattr__(self, "group_size", group_size)
+        if not isinstance(self.refine, bool):
+            raise TypeError(f"QuantSpec refine must be True or False, got {self.refine!r} "
+                            f"({type(self.refine).__name__})")
 
     @classmethod
     def preset(cls, name: str) -> "QuantSpec":
@@ -110,13 +139,13 @@ _SPEC_PRESETS = {
 # --- packing ------------------------------------------------------------------------------
 def packed_nbytes(numel: int, bits: int) -> int:
     """Bytes that `pack` writes for numel codes of the given width (8 codes -> `bits` bytes)."""
-    _check_bits(bits)
+    bits = _check_bits(bits)
     return numel if bits == 8 else math.ceil(numel / 8) * bits
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes in [0, 2^bits) (any shape, row-major) into a flat uint8 tensor."""
-    _check_bits(bits)
+    bits = _check_bits(bits)
     codes = q.reshape(-1)
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 2**bits):
         raise ValueError(f"codes must lie in [0, {2**bits}) to pack at {bits} bits, "
@@ -135,7 +164,7 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Codes [numel] (uint8) from `pack`'s output; the inverse of `pack`."""
-    _check_bits(bits)
+    bits = _check_bits(bits)
     if packed.numel() != packed_nbytes(numel, bits):
         raise ValueError(f"{packed.numel()} packed bytes do not hold {numel} {bits}-bit codes "
                          f"(expected {packed_nbytes(numel, bits)})")
@@ -196,12 +225,6 @@ class QuantizedTensor:
                        zero=self.zero.pin_memory())
 
 
-def _check_bits(bits: int) -> None:
-    """ValueError unless bits is a supported width."""
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits} is not supported; use one of {SUPPORTED_BITS}")
-
-
 def _check_shape(shape: tuple[int, ...], spec: QuantSpec) -> None:
     """ValueError unless groups of spec.group_size tile the last dim of shape."""
     if len(shape) == 0 or shape[-1] % spec.group_size != 0:
@@ -245,13 +268,41 @@ def _hqq_zero(w: torch.Tensor, inv_scale: torch.Tensor, zero_q: torch.Tensor, qm
     return best_zero
 
 
+def _check_quantizable(x: torch.Tensor, shape: tuple[int, ...], name: str | None) -> None:
+    """ValueError unless every value of x is finite and |x| fits the fp16 scale/zero of the format.
+
+    Widening scale/zero for such a tensor is not an option: `QuantizedTensor`, `quantized_nbytes`,
+    `expert_nbytes` and the packed slots of `transfer.PackedSlots` all count and lay out 2-byte
+    fp16 scales and zeros, so a tensor beyond the fp16 range is refused instead.
+    """
+    label = f"tensor {name!r}" if name else "a tensor"
+    finite = torch.isfinite(x)  # (G, g)
+    if not bool(finite.all()):
+        n_bad = int((~finite).sum())
+        first = tuple(int(i) for i in torch.unravel_index((~finite).reshape(-1).int().argmax(), shape))
+        raise ValueError(f"cannot quantize {label} of shape {shape}: {n_bad} of {x.numel()} values are "
+                         f"non-finite (NaN or inf), the first at index {first}; only finite weights can be "
+                         f"quantized (a NaN/inf would poison its whole group). Check the checkpoint it came from.")
+    amax = float(x.abs().amax()) if x.numel() else 0.0
+    if amax > _FP16_MAX:
+        raise ValueError(f"cannot quantize {label} of shape {shape}: its max |w| = {amax:.6g} exceeds the fp16 "
+                         f"range ({_FP16_MAX:g}) of the per-group scale and zero, which this format stores as fp16 "
+                         f"(QuantizedTensor, quantized_nbytes and transfer.PackedSlots rely on it). Keep this "
+                         f"tensor unquantized (spec None, e.g. via QuantPolicy.layer_overrides) or rescale it so "
+                         f"that max |w| <= {_FP16_MAX:g}.")
+
+
 @torch.no_grad()
-def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
-    """Quantize w groupwise along its last dim (asymmetric min-max, HQQ-refined if spec.refine)."""
+def quantize(w: torch.Tensor, spec: QuantSpec, name: str | None = None) -> QuantizedTensor:
+    """Quantize w groupwise along its last dim (asymmetric min-max, HQQ-refined if spec.refine).
+
+    ValueError (naming `name` when given) for non-finite weights or max |w| beyond fp16's 65504.
+    """
     shape = tuple(w.shape)
     _check_shape(shape, spec)
     qmax = 2 ** spec.bits - 1
     x = w.detach().float().reshape(-1, spec.group_size)  # (G, g)
+    _check_quantizable(x, shape, name)
     lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)  # (G, 1)
     if spec.refine:
         span = hi - lo
@@ -263,6 +314,10 @@ def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
         zero = _round_fp16(lo, -math.inf)  # (G, 1) <= lo
         scale = _round_fp16((hi - zero.float()) / qmax, math.inf)  # (G, 1) zero + qmax*scale >= hi
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: any scale works
+    if not bool(torch.isfinite(scale).all() & torch.isfinite(zero).all()):  # e.g. an HQQ zero pushed past 65504
+        label = f"tensor {name!r}" if name else "a tensor"
+        raise ValueError(f"cannot quantize {label} of shape {shape} with {spec}: a group's scale or zero "
+                         f"overflows fp16 (max {_FP16_MAX:g}); keep it unquantized or rescale its weights")
     codes = torch.round((x - zero.float()) / scale.float()).clamp(0, qmax)  # (G, g)
     group_shape = (*shape[:-1], shape[-1] // spec.group_size)
     return QuantizedTensor(pack(codes.to(torch.uint8), spec.bits), scale.view(group_shape),
@@ -280,7 +335,7 @@ def quantized_nbytes(shape: Iterable[int], spec: QuantSpec) -> int:
 # --- experts ------------------------------------------------------------------------------
 def quantize_expert(weights: Mapping[str, torch.Tensor], spec: QuantSpec) -> dict[str, QuantizedTensor]:
     """Quantize one expert's {"gate" [I, H], "up" [I, H], "down" [H, I]} (MoEAdapter.expert_weights)."""
-    return {name: quantize(w, spec) for name, w in weights.items()}
+    return {name: quantize(w, spec, name=name) for name, w in weights.items()}
 
 
 def dequantize_expert(qweights: Mapping[str, QuantizedTensor], dtype: torch.dtype = torch.float32
@@ -390,11 +445,15 @@ def quantize_model_experts(model: nn.Module, policy_or_spec: QuantPolicy | Quant
         for name in ("gate_up_proj", "down_proj"):  # (E, 2I, H), (E, H, I)
             param = getattr(adapter.experts_module(m), name)
             if layer_spec is not None:  # groups run along the last dim: whole tensor == per expert
-                param.data.copy_(quantize(param.data, layer_spec).dequantize(param.dtype))
+                q = quantize(param.data, layer_spec, name=f"MoE layer {m} {name}")
+                param.data.copy_(q.dequantize(param.dtype))
             src = getattr(original.experts_module(m), name)  # the unquantized weights
             for (mm, e), spec in overrides.items():
-                if mm == m:
-                    param.data[e] = src[e] if spec is None else quantize(src[e], spec).dequantize(param.dtype)
+                if mm == m and spec is None:
+                    param.data[e] = src[e]
+                elif mm == m:
+                    q = quantize(src[e], spec, name=f"MoE layer {m} expert {e} {name}")
+                    param.data[e] = q.dequantize(param.dtype)
     return q_model
 
 

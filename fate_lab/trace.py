@@ -7,7 +7,8 @@ routing array from another tool. What it is not: an analysis or a cache simulato
 ``analysis``, ``predictors``, ``replay``).
 
 On-disk format (one ``.safetensors`` file, no pickles):
-  tensors  ``experts`` int64 [N, L, k]; optional ``weights`` f32 [N, L, k], ``logits`` [N, L, E],
+  tensors  ``experts`` int [N, L, k] (int64 from ``record_trace``; a routing array's int8/int16/
+           int32/uint8 ids keep their width); optional ``weights`` f32 [N, L, k], ``logits`` [N, L, E],
            ``gate_inputs`` [N, L, H] (f16 by default), ``router_weights`` f32 [L, E, H];
            ``token_ids``, ``phase`` (0 prefill, 1 decode), ``prompt_id``, ``position`` int64 [N].
   metadata ``{"fate_lab_trace": <JSON of Trace.meta>}`` (family, num_experts, top_k, moe_layers,
@@ -17,6 +18,9 @@ Rows are in processing order: prompt 0's prefill tokens, its decode tokens, then
 from __future__ import annotations
 
 import json
+import numbers
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,8 +28,27 @@ import torch
 from tqdm.auto import tqdm
 
 PREFILL, DECODE = 0, 1
+PHASES = {"prefill": PREFILL, "decode": DECODE}
 FORMAT_VERSION = 1
 _OPTIONAL = ("weights", "logits", "gate_inputs", "router_weights")
+_REQUIRED = ("experts", "token_ids", "phase", "prompt_id", "position")
+_ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # expert ids kept at their width
+_PAIRWISE_MAX_K = 8  # duplicate check: k(k-1)/2 compares up to this k (faster than a sort), a sort beyond
+
+
+def _first_true(mask: torch.Tensor) -> tuple[int, ...]:
+    """Index of the first true entry of a bool tensor in row-major order (the caller knows one exists)."""
+    flat = int(mask.reshape(-1).to(torch.uint8).argmax())
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), mask.shape))
+
+
+def _check_phase_values(phase: torch.Tensor, what: str) -> None:
+    """ValueError naming `what`, the first bad value and its row unless every phase is PREFILL or DECODE."""
+    bad = (phase != PREFILL) & (phase != DECODE)  # (N,)
+    if bool(bad.any()):
+        row = _first_true(bad)[0]
+        raise ValueError(f"{what} must hold {PREFILL} (prefill) or {DECODE} (decode); got {phase[row].item()} "
+                         f"at row {row} ({int(bad.sum())} bad rows in all)")
 
 
 @dataclass
@@ -44,6 +67,10 @@ class Trace:
     router_weights: torch.Tensor | None = None  # (L, E, H) each MoE layer's router weight
 
     def __post_init__(self) -> None:
+        if self.experts.dim() != 3:
+            raise ValueError(f"Trace.experts must be [tokens, layers, k]; got shape {tuple(self.experts.shape)}")
+        if self.experts.is_floating_point() or self.experts.is_complex() or self.experts.dtype == torch.bool:
+            raise TypeError(f"Trace.experts must hold integer expert ids, got dtype {self.experts.dtype}")
         N, L, k = self.experts.shape
         for name in ("token_ids", "phase", "prompt_id", "position"):
             if getattr(self, name).shape != (N,):
@@ -54,6 +81,10 @@ class Trace:
                 raise ValueError(f"Trace.{name} has shape {tuple(t.shape)}, expected ({N}, {L}, ...)")
         if self.experts.numel() and (self.experts.min() < 0 or self.experts.max() >= self.num_experts):
             raise ValueError(f"expert ids must lie in [0, {self.num_experts}); got {self.experts.min()}..{self.experts.max()}")
+        if self.phase.is_floating_point() or self.phase.is_complex():
+            raise TypeError(f"Trace.phase must hold integers {PREFILL} (prefill) or {DECODE} (decode), "
+                            f"got dtype {self.phase.dtype}")
+        _check_phase_values(self.phase, "Trace.phase")
 
     @property
     def num_tokens(self) -> int:
@@ -107,8 +138,9 @@ class Trace:
         """Write the trace as one safetensors file (format in the module docstring)."""
         from safetensors.torch import save_file
 
-        tensors = {n: getattr(self, n).to(torch.int64).contiguous()
-                   for n in ("experts", "token_ids", "phase", "prompt_id", "position")}
+        tensors = {n: getattr(self, n).to(torch.int64).contiguous() for n in _REQUIRED}
+        if self.experts.dtype in _ID_DTYPES:  # narrow ids (e.g. int8 from a routing array) keep their width
+            tensors["experts"] = self.experts.contiguous()
         for n in _OPTIONAL:
             t = getattr(self, n)
             if t is not None:
@@ -130,30 +162,183 @@ class Trace:
             if raw is None:
                 raise ValueError(f"{path} is a safetensors file but not a fate_lab trace (no 'fate_lab_trace' metadata)")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        meta = json.loads(raw)
-        if meta.get("format_version", 0) > FORMAT_VERSION:
-            raise ValueError(f"{path} has trace format {meta['format_version']}; this fate_lab reads up to {FORMAT_VERSION}")
+        try:
+            meta = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: its 'fate_lab_trace' metadata is not valid JSON ({e}); expected a JSON "
+                             f"object such as {{\"format_version\": {FORMAT_VERSION}, \"num_experts\": 8, ...}}, "
+                             f"got {raw[:80]!r}") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{path}: its 'fate_lab_trace' metadata must be a JSON object "
+                             f"({{\"format_version\": ..., ...}}), got a JSON {type(meta).__name__}: {raw[:80]!r}")
+        version = meta.get("format_version", 0)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"{path}: metadata format_version must be a non-negative integer "
+                             f"(this fate_lab reads up to {FORMAT_VERSION}), got {version!r}")
+        if version > FORMAT_VERSION:
+            raise ValueError(f"{path} has trace format {version}; this fate_lab reads up to {FORMAT_VERSION}")
+        num_experts = meta.get("num_experts")
+        if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, int)
+                                        or num_experts < 1):
+            raise ValueError(f"{path}: metadata num_experts must be a positive integer, got {num_experts!r}")
+        missing = [n for n in _REQUIRED if n not in tensors]
+        if missing:
+            raise ValueError(f"{path} is not a complete fate_lab trace: tensors {missing} are missing "
+                             f"(a trace holds {list(_REQUIRED)}, optionally {list(_OPTIONAL)})")
         opt = {n: (tensors[n].float() if n in tensors else None) for n in _OPTIONAL}
         return Trace(experts=tensors["experts"], token_ids=tensors["token_ids"], phase=tensors["phase"],
                      prompt_id=tensors["prompt_id"], position=tensors["position"], meta=meta, **opt)
 
 
+def _int_vector(value, name: str, n: int | None, allowed: str) -> torch.Tensor:
+    """value as a 1-D integer tensor (of length n if given); TypeError/ValueError naming `name` otherwise."""
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{name} must be {allowed}; could not read {value!r:.80} as an array ({e})") from None
+    if t.numel() == 0 and t.is_floating_point():  # torch reads an empty list as float32
+        t = t.to(torch.int64)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be {allowed}; got dtype {t.dtype}")
+    if t.dim() != 1 or (n is not None and t.shape[0] != n):
+        want = f"({n},)" if n is not None else "1-D"
+        raise ValueError(f"{name} must have shape {want} ({allowed}); got shape {tuple(t.shape)}")
+    return t.to(torch.int64)
+
+
+def _phase_vector(phase, n: int) -> torch.Tensor:
+    """phase -> int64 [n]: None (all decode), "prefill"/"decode", 0/1, or a length-n sequence of either."""
+    allowed = f"None, 'prefill', 'decode', {PREFILL}, {DECODE}, or a sequence of {n} of those"
+    if phase is None:
+        return torch.full((n,), DECODE, dtype=torch.int64)
+    if getattr(getattr(phase, "dtype", None), "kind", None) in ("U", "S", "O"):  # numpy array of names
+        phase = phase.tolist()
+    if isinstance(phase, str) or (isinstance(phase, (list, tuple)) and phase and isinstance(phase[0], str)):
+        names = [phase] if isinstance(phase, str) else list(phase)
+        bad = [(i, p) for i, p in enumerate(names) if not isinstance(p, str) or p.lower() not in PHASES]
+        if bad:
+            where = f" at row {bad[0][0]}" if len(names) > 1 else ""
+            raise ValueError(f"phase must be {allowed}; got {bad[0][1]!r}{where}")
+        codes = torch.tensor([PHASES[p.lower()] for p in names], dtype=torch.int64)
+        return codes.expand(n).clone() if isinstance(phase, str) else _int_vector(codes, "phase", n, allowed)
+    if isinstance(phase, numbers.Integral) and not isinstance(phase, bool):
+        out = torch.full((n,), int(phase), dtype=torch.int64)
+    else:
+        out = _int_vector(phase, "phase", n, allowed)
+    _check_phase_values(out, "phase")
+    return out
+
+
+def _positions(prompt_id: torch.Tensor) -> torch.Tensor:
+    """Position of each row within its prompt (rows of a prompt counted in order), vectorised."""
+    n = prompt_id.numel()
+    order = torch.sort(prompt_id, stable=True).indices  # (N,) rows grouped by prompt, in row order
+    sorted_pid = prompt_id[order]  # (N,)
+    new_group = torch.ones(n, dtype=torch.bool)
+    new_group[1:] = sorted_pid[1:] != sorted_pid[:-1]  # (N,) first row of each prompt
+    idx = torch.arange(n)  # (N,)
+    group_start = torch.cummax(torch.where(new_group, idx, torch.zeros_like(idx)), dim=0).values  # (N,)
+    position = torch.empty(n, dtype=torch.int64)
+    position[order] = idx - group_start
+    return position
+
+
+def _duplicate_rows(experts: torch.Tensor) -> torch.Tensor:
+    """(N, L) bool: rows of experts [N, L, k] naming one expert twice (pairwise compares or a sort)."""
+    k = experts.shape[-1]
+    if k > _PAIRWISE_MAX_K:
+        s = torch.sort(experts, dim=-1).values  # (N, L, k)
+        return (s[..., 1:] == s[..., :-1]).any(dim=-1)
+    dup = torch.zeros(experts.shape[:2], dtype=torch.bool, device=experts.device)  # (N, L)
+    for i in range(k):
+        for j in range(i + 1, k):
+            dup |= experts[..., i] == experts[..., j]
+    return dup
+
+
 def from_routing_array(routing, num_experts: int | None = None, phase=None, prompt_id=None,
-                       meta: dict | None = None) -> Trace:
-    """A Trace from a plain ``[tokens, layers, k]`` array of expert ids (e.g. vLLM routed experts)."""
-    experts = torch.as_tensor(routing).to(torch.int64)
+                       meta: dict | None = None, lengths=None) -> Trace:
+    """A Trace from a plain ``[tokens, layers, k]`` array of expert ids (e.g. vLLM routed experts).
+
+    ``routing``: integer ids (torch/numpy/nested lists), kept at their dtype (int8/int16/int32/int64/
+    uint8; uint16/uint32/uint64 become int32/int64/int64, which torch can compare). ``num_experts``:
+    E; if omitted (and not in ``meta``), inferred as the largest id + 1 with a warning, since experts
+    never routed to would be missed. ``phase``: None (all decode), "prefill"/"decode", 0/1, or one per
+    token. Prompts: ``lengths`` (tokens per prompt, in order, summing to N) or ``prompt_id`` [N]
+    (positions restart at each prompt, counted in row order); neither means one prompt. Each row
+    must name k distinct ids in [0, E).
+    """
+    try:
+        experts = torch.as_tensor(routing)
+    except (TypeError, ValueError, RuntimeError) as e:  # ragged lists: ValueError; non-numbers: TypeError
+        raise (ValueError if isinstance(e, ValueError) else TypeError)(
+            f"routing must be a rectangular [tokens, layers, k] array of integer expert ids; "
+            f"could not convert it ({e})") from None
+    if experts.is_floating_point() or experts.is_complex() or experts.dtype == torch.bool:
+        raise TypeError(f"routing must hold integer expert ids, got dtype {experts.dtype}; convert whole-number "
+                        f"floats explicitly (e.g. arr.astype('int32')) after checking them")
+    if experts.dtype not in _ID_DTYPES:  # uint16/32/64: torch lacks min/max for them
+        experts = experts.to(torch.int32 if experts.dtype == torch.uint16 else torch.int64)
     if experts.dim() != 3:
         raise ValueError(f"a routing array must be [tokens, layers, k]; got shape {tuple(experts.shape)}")
-    N = experts.shape[0]
+    N, L, k = experts.shape
+    if meta is not None and not isinstance(meta, Mapping):
+        raise TypeError(f"meta must be a dict (JSON-serialisable), got {type(meta).__name__}")
     meta = dict(meta or {}, source=(meta or {}).get("source", "routing array"))
+
+    # number of experts: given, from meta, or inferred (with a warning)
     if num_experts is not None:
+        if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral):
+            raise TypeError(f"num_experts must be a positive int, got {num_experts!r} ({type(num_experts).__name__})")
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts}")
+        if "num_experts" in meta and int(meta["num_experts"]) != int(num_experts):
+            raise ValueError(f"num_experts={num_experts} disagrees with meta['num_experts']={meta['num_experts']}")
         meta["num_experts"] = int(num_experts)
-    phase = torch.full((N,), DECODE, dtype=torch.int64) if phase is None else torch.as_tensor(phase).to(torch.int64)
-    prompt_id = torch.zeros(N, dtype=torch.int64) if prompt_id is None else torch.as_tensor(prompt_id).to(torch.int64)
-    position = torch.zeros(N, dtype=torch.int64)
-    for p in prompt_id.unique():  # position restarts at each prompt
-        rows = (prompt_id == p).nonzero().flatten()
-        position[rows] = torch.arange(rows.numel())
+    elif "num_experts" in meta:
+        num_experts = int(meta["num_experts"])
+    elif experts.numel():
+        num_experts = int(experts.max()) + 1
+        warnings.warn(f"num_experts not given: inferred as the largest expert id + 1 = {num_experts}, which is too "
+                      f"small if the highest-numbered experts were never routed to; pass num_experts=E",
+                      UserWarning, stacklevel=2)
+    if num_experts is not None:
+        if k > num_experts:
+            raise ValueError(f"routing has k={k} experts per token and layer but num_experts={num_experts}; "
+                             f"k must be <= num_experts")
+        if experts.numel():
+            lo, hi = torch.aminmax(experts)
+            if int(lo) < 0 or int(hi) >= num_experts:
+                n, l, j = _first_true((experts < 0) | (experts >= num_experts))
+                raise ValueError(f"expert ids must lie in [0, num_experts={num_experts}); got {int(experts[n, l, j])} "
+                                 f"at token {n}, layer {l} (row {experts[n, l].tolist()})")
+    if N and k > 1:
+        dup = _duplicate_rows(experts)  # (N, L)
+        if bool(dup.any()):
+            n, l = _first_true(dup)
+            raise ValueError(f"routing repeats an expert id within one (token, layer) row: token {n}, layer {l} "
+                             f"routes to {experts[n, l].tolist()}; each row must name k={k} distinct experts "
+                             f"({int(dup.sum())} such rows in all)")
+
+    phase = _phase_vector(phase, N)
+    if lengths is not None and prompt_id is not None:
+        raise ValueError("give either lengths (tokens per prompt) or prompt_id (one per token), not both")
+    if lengths is not None:
+        lengths = _int_vector(lengths, "lengths", None, "a 1-D sequence of non-negative tokens-per-prompt counts")
+        if lengths.numel() and int(lengths.min()) < 0:
+            p = _first_true(lengths < 0)[0]
+            raise ValueError(f"lengths must be non-negative tokens-per-prompt counts; "
+                             f"got {int(lengths[p])} for prompt {p}")
+        if int(lengths.sum()) != N:
+            raise ValueError(f"lengths must sum to the routing array's {N} tokens; got sum {int(lengths.sum())} "
+                             f"over {lengths.numel()} prompts")
+        prompt_id = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)  # (N,)
+        starts = torch.cumsum(lengths, 0) - lengths  # (P,) first row of each prompt
+        position = torch.arange(N) - torch.repeat_interleave(starts, lengths)  # (N,)
+    else:
+        prompt_id = (torch.zeros(N, dtype=torch.int64) if prompt_id is None
+                     else _int_vector(prompt_id, "prompt_id", N, "one integer prompt id per token"))
+        position = _positions(prompt_id)  # (N,) restarts at each prompt
     return Trace(experts=experts, token_ids=torch.full((N,), -1, dtype=torch.int64), phase=phase,
                  prompt_id=prompt_id, position=position, meta=meta)
 

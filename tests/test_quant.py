@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -285,3 +286,76 @@ def test_dequantize_into_a_slot_of_a_fused_buffer():
     assert torch.equal(buf[1], q.dequantize(torch.bfloat16)) and not buf[0].any()
     with pytest.raises(ValueError, match="out has shape"):
         q.dequantize(out=buf)
+
+
+# --- refused inputs: non-finite weights, weights beyond the fp16 scale/zero, malformed specs -----
+def test_non_finite_weights_are_refused_with_name_and_count():
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    w[1, 3], w[2, 0], w[3, 63] = float("nan"), float("inf"), -float("inf")  # 3 of 256, first in row order at (1, 3)
+    for spec in (QuantSpec(4, 64), QuantSpec(2, 32, refine=True)):
+        with pytest.raises(ValueError, match=r"'down'.*3 of 256 values are non-finite.*\(1, 3\)"):
+            quantize(w, spec, name="down")
+    ok = torch.zeros(4, 64)
+    with pytest.raises(ValueError, match=r"tensor 'up' .*non-finite"):  # quantize_expert names the matrix
+        quantize_expert({"gate": ok, "up": w, "down": ok}, QuantSpec(4, 64))
+
+
+def test_quantize_model_experts_names_the_layer_with_a_nan():
+    model = tiny_model("qwen2_moe", seed=1)
+    down = adapt(model).experts_module(1).down_proj  # (E, H, I)
+    with torch.no_grad():
+        down[2, 0, 5] = float("nan")
+    numel = down.numel()
+    with pytest.raises(ValueError, match=rf"MoE layer 1 down_proj.*1 of {numel} values.*\(2, 0, 5\)"):
+        quantize_model_experts(model, QuantSpec(4, 32))
+
+
+@pytest.mark.parametrize("big", [70000.0, -70000.0, 1e6])
+def test_weights_beyond_fp16_range_are_refused(big):
+    # fp16's largest finite value is 65504. Before, a group with min < -65504 got an inf zero and one with
+    # span / qmax > 65504 an inf scale, and dequantized to NaN (-70000 at 4/8 bits, 1e6 at 4 bits); a large
+    # positive outlier in a small group happened to fit. The rule is now spec-independent: max |w| <= 65504.
+    w = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    w[1, 7] = big
+    for spec in (QuantSpec(4, 64), QuantSpec(8, 64), QuantSpec(2, 32, refine=True)):
+        pattern = rf"'w1'.*max \|w\| = {re.escape(f'{abs(big):g}')} exceeds the fp16 range \(65504\)"
+        with pytest.raises(ValueError, match=pattern):
+            quantize(w, spec, name="w1")
+
+
+def test_weights_at_the_fp16_limit_still_quantize_exactly_as_by_hand():
+    # one 2-bit group of +-65504: zero = -65504 (exact in fp16); scale = 131008 / 3 = 43669.33, rounded up to
+    # the next fp16 value (spacing 32 in [32768, 65536)) = 1365 * 32 = 43680; codes 0 and 3 -> -65504, 65536
+    w = torch.tensor([[-65504.0, 65504.0] * 16])
+    q = quantize(w, QuantSpec(2, 32))
+    assert q.scale.tolist() == [[43680.0]] and q.zero.tolist() == [[-65504.0]]
+    assert q.codes().tolist() == [[0, 3] * 16]
+    assert q.dequantize().tolist() == [[-65504.0, 65536.0] * 16]
+
+
+@pytest.mark.parametrize("args, error, pattern", [
+    ((4.0, 64), TypeError, r"bits must be an int, got 4\.0 \(float\).*\(2, 3, 4, 8\)"),
+    ((True, 64), TypeError, r"bits must be an int, got True \(bool\)"),
+    ((6, 64), ValueError, r"bits=6 is not supported; use one of \(2, 3, 4, 8\)"),
+    ((4, 64.0), TypeError, r"group_size must be an int, got 64\.0 \(float\).*positive int"),
+    ((4, "64"), TypeError, r"group_size must be an int, got '64' \(str\)"),
+    ((4, 0), ValueError, r"group_size=0 is not allowed; group_size must be a positive int"),
+    ((4, -32), ValueError, r"group_size=-32 is not allowed"),
+    ((4, 64, 1), TypeError, r"refine must be True or False, got 1"),
+])
+def test_quant_spec_refuses_wrong_types_and_values(args, error, pattern):
+    with pytest.raises(error, match=pattern):
+        QuantSpec(*args)
+
+
+def test_quant_spec_accepts_numpy_ints_as_plain_ints():
+    np = pytest.importorskip("numpy")
+    spec = QuantSpec(np.int64(4), np.int32(64))
+    assert spec == QuantSpec(4, 64) and hash(spec) == hash(QuantSpec(4, 64)) and type(spec.group_size) is int
+
+
+def test_pack_and_unpack_refuse_float_bits():
+    with pytest.raises(TypeError, match=r"bits must be an int, got 4\.0"):
+        pack(torch.zeros(8, dtype=torch.uint8), 4.0)
+    with pytest.raises(TypeError, match=r"bits must be an int, got 2\.0"):
+        unpack(torch.zeros(2, dtype=torch.uint8), 2.0, 8)
