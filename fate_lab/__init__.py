@@ -19,7 +19,11 @@ _EXPORTS = {
     "record_trace": "fate_lab.trace",
     "from_routing_array": "fate_lab.trace",
     "offload": "fate_lab.runtime",
-    "OffloadConfig": "fate_lab.runtime",
+    "OffloadConfig": "fate_lab.config",
+    "simulate": "fate_lab.simulate",
+    "Hardware": "fate_lab.simulate",
+    "ModelShape": "fate_lab.simulate",
+    "calibrate_compute": "fate_lab.simulate",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -112,3 +112,38 @@ def plan_from_slots(
                       scratch_bytes)
     return plan_memory(need + cache_total * expert_bytes, dense_bytes, kv_bytes_per_token, context_len,
                        expert_bytes, num_layers, top_k, prefetch_buffer_experts, scratch_bytes=scratch_bytes)
+
+
+def plan_offload(config, *, num_layers: int, num_experts: int, top_k: int, slot_expert_bytes: int, dense_bytes: int,
+                 kv_bytes_per_token: int, scratch_bytes: int = 0, miss_curves=None) -> tuple[MemoryPlan, list[int], int]:
+    """(plan, slots per MoE layer, prefetch buffers per pool) for an `OffloadConfig`: what the runtime
+    allocates and the simulator models, from one function. ``miss_curves()`` supplies curves for
+    allocation="miss_curve" when the config has none."""
+    from .allocation import allocation_from_name
+
+    prefetching = config.predictor is not None
+    buffers = config.prefetch_buffer_experts
+    buffers = (top_k if prefetching else 0) if buffers is None else buffers
+    if config.budget is not None and config.slots is not None:
+        raise ValueError("give the budget either in bytes (budget=) or in expert slots (slots=), not both")
+    pools = 2 * buffers  # two prefetch pools (even / odd layers)
+    if config.budget is not None and not config.all_resident:
+        plan = plan_memory(config.budget, dense_bytes, kv_bytes_per_token, config.context_len, slot_expert_bytes,
+                           num_layers, top_k, pools, num_experts=num_experts, scratch_bytes=scratch_bytes)
+    else:
+        slots = num_layers * num_experts
+        if config.slots is not None and not config.all_resident:
+            slots = min(config.slots, slots)
+        plan = plan_from_slots(slots, dense_bytes, kv_bytes_per_token, config.context_len, slot_expert_bytes,
+                               num_layers, top_k, pools, scratch_bytes=scratch_bytes)
+    params: dict = {}
+    if config.allocation == "shallow":
+        params = {"shallow_layers": config.shallow_layers if config.shallow_layers is not None
+                  else max(1, round(num_layers / 8))}
+    elif config.allocation == "miss_curve":
+        if config.miss_curves is None and miss_curves is None:
+            raise ValueError("allocation='miss_curve' needs miss curves: set OffloadConfig.miss_curves")
+        params = {"curves": config.miss_curves if config.miss_curves is not None else miss_curves()}
+    cache_total = plan.cache_total if config.cache else 0
+    slots_per_layer = allocation_from_name(config.allocation, **params).allocate(cache_total, num_layers, num_experts)
+    return plan, slots_per_layer, buffers

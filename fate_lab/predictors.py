@@ -35,6 +35,14 @@ def scores_from_logits(logits: Tensor, scoring: str = "softmax") -> Tensor:
     raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
 
 
+def next_layer_scores(router_weight: Tensor, gate_input: Tensor, scoring: str = "softmax") -> Tensor:
+    """Fate's host-side step: layer l+1's router weight ``[E, H]`` (fp32, on the host) applied to
+    layer l's gate input ``[T, H]`` -> scores ``[T, E]``. The runtime and the simulator both call
+    this, with the same shapes, so their predicted sets agree bit for bit."""
+    x = gate_input.detach().to("cpu", torch.float32)  # (T, H) the gate input goes to the host
+    return scores_from_logits(torch.nn.functional.linear(x, router_weight), scoring)  # (T, E)
+
+
 def cross_layer_scores(gate_inputs: Tensor, router_weights: Sequence[Tensor], scoring: str = "softmax") -> Tensor:
     """Fate's cross-layer gate: scores for layer l+1 from layer l's gate input, ``[N, L-1, E]``."""
     N, L, H = gate_inputs.shape

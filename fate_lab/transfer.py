@@ -1,6 +1,7 @@
-"""Transfer engine: moves one expert from the host store into a device slot, asynchronously.
+"""Transfer engines: move one expert from the host store into a device slot, asynchronously.
 
-What this file is: one interface (`submit`, `cancel`, `wait`, `close`) and two back ends.
+What this file is: one interface (`submit`, `cancel`, `poll`, `wait`, `backlog_s`, `close`) and
+three back ends, plus the synchronous load and the link calibration:
 - `EmulatedLink`: a worker thread takes transfers from a queue (urgent ones first), does the
   real copy into the slot, then holds the link until `latency + bytes / bandwidth` has passed
   since it started. It runs concurrently with the compute thread, so overlap and stalls are
@@ -8,31 +9,21 @@ What this file is: one interface (`submit`, `cancel`, `wait`, `close`) and two b
 - `CudaCopyEngine`: a dedicated CUDA copy stream; each transfer is a pair of non-blocking
   copies from pinned host memory, ordered after the compute stream's earlier work (a slot may
   still be read by a kernel) and marked done by a CUDA event.
-Both accept a fault hook `fault(m, e) -> bool` (tests): True makes that transfer fail.
-
-Quantized transfers (`submit(..., spec=QuantSpec)`): the store's *packed* copy travels
-(`PackedExpert.to(device)`: codes + fp16 scales/zeros), `Transfer.nbytes` is its packed size, so
-the emulated link holds for `latency + packed_bytes / bandwidth`; then the bytes are dequantized
-on the device into the slot (`QuantizedTensor.dequantize(out=slot)`), so the slot holds
-full-precision weights and the compute code never sees a packed tensor. On CUDA the dequantize
-kernels run on the copy stream, after the copy and before the transfer's done event; on CPU
-the emulated link's worker thread does it, inside the link's hold time when it is shorter.
-
-Packed device slots (`PackedSlots`, what a quantized runtime uses): the device cache is one
-uint8 pool [S, slot_bytes]; a packed transfer copies the codes, scales and zeros straight into
-its slot (a per-precision byte layout, so an INT2 expert sits in an INT4-sized slot in its own,
-smaller form), and nothing is dequantized on the way. The runtime dequantizes a slot into a
-full-precision scratch (`PackedSlots.weights`) right before the expert computes. Without a
-`PackedSlots` a packed transfer is dequantized into the fp slot as above.
+- `InstantLink`: the copy happens inside `submit` and the transfer is done when it returns (the
+  link `"instant"`): no timing at all, so the runtime's counts can be compared exactly with the
+  replay's and the simulator's.
+All accept a fault hook `fault(m, e) -> bool` (tests): True makes that transfer fail.
+Quantized transfers (`submit(..., spec=QuantSpec)`) move the store's packed copy; `Transfer.nbytes`
+is its packed size, so the emulated link holds for the packed bytes. How the bytes sit in the
+slot (dequantized into a full-precision slot, or kept packed) is `slots.py`'s business.
 
 What it is not: it decides nothing. Which expert goes to which slot, when, and what to do
-when a transfer fails is the runtime's business.
+when a transfer fails is the cache's (`cache.py`) and the runtime's business.
 """
 from __future__ import annotations
 
 import collections
 import itertools
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,9 +31,12 @@ from typing import Callable
 
 import torch
 
+from torch import nn
+
 from .links import LinkProfile
-from .quant import QuantizedTensor, QuantSpec, packed_nbytes
-from .store import ExpertTensors, HostStore, PackedExpert
+from .quant import QuantSpec
+from .slots import DeviceSlots, SlotWriter
+from .store import HostStore
 
 _ENGINE_IDS = itertools.count()
 
@@ -64,12 +58,15 @@ class Transfer:
     t_end: float | None = None
     cuda_event: object = None
     spec: QuantSpec | None = None  # precision it travels at; None: full precision (the slots' dtype)
+    reason: str = ""  # why it moves: "miss", "prefetch", "prefill_low", "cache" (counters, timeline)
+    counted: bool = False  # its bytes were added to the counters (the driver counts each transfer once)
 
 
 class TransferEngine:
-    """Interface of both back ends."""
+    """Interface of the back ends."""
 
     fault: Callable[[int, int], bool] | None = None
+    link: LinkProfile | None = None  # the profile it emulates; None: the real link (unknown speed)
 
     def submit(self, m: int, e: int, slot: int, urgent: bool = False,
                spec: QuantSpec | None = None) -> Transfer:  # pragma: no cover
@@ -88,199 +85,84 @@ class TransferEngine:
         """True if t is done (finished, failed or cancelled), without blocking."""
         return t.done.is_set()
 
+    def backlog_s(self) -> float:
+        """Seconds of link time already committed (queued + the rest of the running transfer); 0 if unknown."""
+        return 0.0
+
     def close(self) -> None:  # pragma: no cover
         """Stop the engine; queued transfers are cancelled."""
         raise NotImplementedError
 
-
-_ALIGN = 8  # bytes; every segment of a packed slot starts at a multiple (fp16/fp32/bf16 views stay aligned)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-_SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _dequantize_into(q: QuantizedTensor, out: torch.Tensor) -> torch.Tensor:
-    """`q.dequantize(out=out)`, bit for bit, about twice as fast for 2/4/8 bits (no code crosses a byte:
-    code j of byte k is (byte >> bits*j) & mask, the order `quant.pack` writes), fp32 math as there."""
-    bits, g = q.spec.bits, q.spec.group_size
-    if bits not in (2, 4, 8):
-        return q.dequantize(out=out)
-    p = q.packed
-    if bits == 8:
-        codes = p
-    else:
-        key = (bits, p.device)
-        if key not in _SHIFTS:
-            _SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.uint8, device=p.device)
-        codes = (p.unsqueeze(-1) >> _SHIFTS[key]) & ((1 << bits) - 1)  # (bytes, 8 / bits) uint8
-    codes = codes.reshape(-1, g)  # (G, g)
-    scale, zero = q.scale.reshape(-1, 1).float(), q.zero.reshape(-1, 1).float()  # (G, 1)
-    if out.dtype == torch.float32 and out.is_contiguous():
-        w = out.view(-1, g)
-        torch.mul(codes, scale, out=w)
-        return w.add_(zero).view(out.shape)
-    return out.copy_((codes * scale + zero).view(out.shape))
-
-
-class PackedSlots:
-    """Device slots that hold experts in their packed form: one uint8 pool [S, slot_bytes].
-
-    A slot holds one expert at any precision in `specs` (None: full precision in `dtype`), laid
-    out as gate_up (codes, fp16 scale, fp16 zero) then down (codes, scale, zero), each segment
-    8-byte aligned; `slot_bytes` is the largest layout. `spec_of[slot]` is the precision the slot
-    holds now (set when a transfer writes it). `weights(slot)` dequantizes into the fp scratch
-    [n_scratch, 2I, H] / [n_scratch, H, I] (a full-precision slot is used in place).
-    """
-
-    def __init__(self, gate_up_shape: tuple[int, int], down_shape: tuple[int, int], specs, dtype: torch.dtype,
-                 n_slots: int, n_scratch: int, device: torch.device | str):
-        self.shapes = {"gate_up": tuple(gate_up_shape), "down": tuple(down_shape)}
-        self.dtype = dtype
-        self._layouts: dict[QuantSpec | None, dict] = {s: self._layout(s) for s in dict.fromkeys(specs)}
-        self.slot_bytes = max(lay["bytes"] for lay in self._layouts.values())
-        self.pool = torch.empty(n_slots, self.slot_bytes, dtype=torch.uint8, device=device)  # (S, slot_bytes)
-        self.gate_up_scratch = torch.empty(n_scratch, *gate_up_shape, dtype=dtype, device=device)  # (n, 2I, H)
-        self.down_scratch = torch.empty(n_scratch, *down_shape, dtype=dtype, device=device)  # (n, H, I)
-        self.spec_of: list[QuantSpec | None] = [None] * n_slots
-
-    @staticmethod
-    def layout_bytes(gate_up_shape, down_shape, spec: QuantSpec | None, dtype: torch.dtype) -> int:
-        """Bytes one slot needs to hold an expert at spec (segments 8-byte aligned)."""
-        total = 0
-        for shape in (gate_up_shape, down_shape):
-            numel = math.prod(shape)
-            if spec is None:
-                total += _aligned(numel * dtype.itemsize)
-            else:
-                total += _aligned(packed_nbytes(numel, spec.bits)) + 2 * _aligned(numel // spec.group_size * 2)
-        return total
-
-    def _layout(self, spec: QuantSpec | None) -> dict:
-        off, out = 0, {}
-        for name, shape in self.shapes.items():
-            numel = math.prod(shape)
-            if spec is None:
-                n = numel * self.dtype.itemsize
-                out[name] = {"w": (off, n)}
-                off += _aligned(n)
-                continue
-            segs = {}
-            for part, n in (("packed", packed_nbytes(numel, spec.bits)), ("scale", numel // spec.group_size * 2),
-                            ("zero", numel // spec.group_size * 2)):
-                segs[part] = (off, n)
-                off += _aligned(n)
-            out[name] = segs
-        out["bytes"] = off
-        return out
-
     @property
-    def nbytes(self) -> int:
-        """Device bytes of the pool and the scratch."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+    def threads(self) -> list[threading.Thread]:
+        """Worker threads this engine started."""
+        return []
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The device tensors: pool, gate_up scratch, down scratch."""
-        return [self.pool, self.gate_up_scratch, self.down_scratch]
-
-    def _seg(self, slot: int, seg: tuple[int, int]) -> torch.Tensor:
-        off, n = seg
-        return self.pool[slot, off:off + n]  # (n,) uint8
-
-    def view(self, slot: int) -> PackedExpert | ExpertTensors:
-        """The slot's contents as device tensors (views of the pool), at the precision it holds."""
-        spec = self.spec_of[slot]
-        lay = self._layouts[spec]
-        parts = {}
-        for name, shape in self.shapes.items():
-            if spec is None:
-                parts[name] = self._seg(slot, lay[name]["w"]).view(self.dtype).view(shape)
-                continue
-            grouped = (*shape[:-1], shape[-1] // spec.group_size)
-            parts[name] = QuantizedTensor(
-                self._seg(slot, lay[name]["packed"]),
-                self._seg(slot, lay[name]["scale"]).view(torch.float16).view(grouped),
-                self._seg(slot, lay[name]["zero"]).view(torch.float16).view(grouped), shape, spec)
-        cls = ExpertTensors if spec is None else PackedExpert
-        return cls(parts["gate_up"], parts["down"])
-
-    def write(self, slot: int, src: PackedExpert | ExpertTensors, spec: QuantSpec | None, non_blocking: bool) -> None:
-        """Copy a host expert's bytes (packed, or full precision for spec None) into slot, as they are."""
-        if spec not in self._layouts:
-            raise ValueError(f"these packed slots hold {list(self._layouts)}, not {spec}")
-        lay = self._layouts[spec]
-        for name in self.shapes:
-            t = getattr(src, name)
-            if spec is None:
-                self._seg(slot, lay[name]["w"]).view(self.dtype).copy_(t.reshape(-1), non_blocking=non_blocking)
-                continue
-            self._seg(slot, lay[name]["packed"]).copy_(t.packed.reshape(-1), non_blocking=non_blocking)
-            for part in ("scale", "zero"):
-                self._seg(slot, lay[name][part]).view(torch.float16).copy_(
-                    getattr(t, part).reshape(-1), non_blocking=non_blocking)
-        self.spec_of[slot] = spec
-
-    def weights(self, slot: int, scratch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) of the expert in slot at full precision, for the compute."""
-        v = self.view(slot)
-        if isinstance(v, ExpertTensors):
-            return v.gate_up, v.down
-        gu, dn = self.gate_up_scratch[scratch], self.down_scratch[scratch]
-        _dequantize_into(v.gate_up, gu)  # (2I, H) dequantized on the device
-        _dequantize_into(v.down, dn)  # (H, I)
-        return gu, dn
-
-
-class _SlotWriter:
-    """Copies a host expert into slot tensors (shared by both back ends)."""
-
-    def __init__(self, store: HostStore, gate_up_slots: torch.Tensor, down_slots: torch.Tensor,
-                 packed_slots: PackedSlots | None = None):
-        self.store = store
-        self.gate_up_slots = gate_up_slots  # (S, 2I, H) on the device (the fp scratch under packed slots)
-        self.down_slots = down_slots  # (S, H, I) on the device
-        self.packed_slots = packed_slots  # slots that keep the packed bytes; None: fp slots
-
-    def copy(self, t: Transfer, non_blocking: bool) -> None:
-        """Copy expert (t.m, t.e) into slot t.slot (runs on the calling thread / current stream)."""
-        self.write(t.m, t.e, t.slot, t.spec, non_blocking)
-
-    def write(self, m: int, e: int, slot: int, spec: QuantSpec | None, non_blocking: bool) -> None:
-        """Move (m, e) at spec into slot: full precision is copied, a packed copy is moved then dequantized."""
-        src = self.store.fetch_at(m, e, spec)
-        if self.packed_slots is not None:  # the packed bytes land in the slot as they are
-            self.packed_slots.write(slot, src, spec, non_blocking)
-            return
-        if isinstance(src, PackedExpert):
-            dev = src.to(self.gate_up_slots.device, non_blocking=non_blocking)  # only packed bytes travel
-            dev.gate_up.dequantize(out=self.gate_up_slots[slot])  # (2I, H) on the device
-            dev.down.dequantize(out=self.down_slots[slot])  # (H, I)
-            return
-        self.gate_up_slots[slot].copy_(src.gate_up, non_blocking=non_blocking)  # (2I, H)
-        self.down_slots[slot].copy_(src.down, non_blocking=non_blocking)  # (H, I)
+    def load_now(self, m: int, e: int, slot: int, spec: QuantSpec | None, timed: bool = True) -> float:
+        """Synchronous load of (m, e) at spec into slot on the calling thread, holding for the link's
+        time if timed and the link is emulated; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._writer.write(m, e, slot, spec, non_blocking=False)  # (2I, H) + (H, I), packed if spec
+        if timed and self.link is not None:
+            hold = t0 + self.link.transfer_time(self._writer.nbytes(m, e, spec)) - time.perf_counter()
+            if hold > 0:
+                time.sleep(hold)
+        return time.perf_counter() - t0
 
     def nbytes(self, m: int, e: int, spec: QuantSpec | None) -> int:
-        """Bytes a transfer of (m, e) at spec moves: a slot's full-precision bytes, or the packed size."""
-        if spec is None:
-            return self.gate_up_slots[0].numel() * self.gate_up_slots.element_size() + \
-                self.down_slots[0].numel() * self.down_slots.element_size()
-        return self.store.nbytes_at(m, e, spec)
+        """Bytes a transfer of (m, e) at spec moves."""
+        return self._writer.nbytes(m, e, spec)
+
+
+class InstantLink(TransferEngine):
+    """The link "instant": `submit` copies at once on the calling thread and returns a finished transfer."""
+
+    def __init__(self, store: HostStore, slots: DeviceSlots, fault: Callable[[int, int], bool] | None = None):
+        self.fault = fault
+        self._writer = SlotWriter(store, slots)
+        self._closed = False
+
+    def submit(self, m: int, e: int, slot: int, urgent: bool = False, spec: QuantSpec | None = None) -> Transfer:
+        """Copy now; the returned transfer is done."""
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        t = Transfer(m, e, slot, self._writer.nbytes(m, e, spec), urgent, spec=spec)
+        t.t_start = time.perf_counter()
+        try:
+            if self.fault is not None and self.fault(m, e):
+                raise IOError(f"injected fault on expert {e} of MoE layer {m}")
+            self._writer.write(m, e, slot, spec, non_blocking=False)
+            t.ok = True
+        except Exception as exc:  # reported on the transfer, as the other engines do
+            t.error = repr(exc)
+        t.t_end = time.perf_counter()
+        t.done.set()
+        return t
+
+    def cancel(self, t: Transfer) -> bool:
+        """Nothing is ever queued."""
+        return False
+
+    def wait(self, t: Transfer) -> bool:
+        """Already done."""
+        return t.ok
+
+    def close(self) -> None:
+        """Refuse further transfers."""
+        self._closed = True
 
 
 class EmulatedLink(TransferEngine):
     """A worker thread that does the real copy and keeps the link busy for the profile's time."""
 
-    def __init__(self, store: HostStore, gate_up_slots: torch.Tensor, down_slots: torch.Tensor,
-                 link: LinkProfile, fault: Callable[[int, int], bool] | None = None,
-                 packed_slots: PackedSlots | None = None):
+    def __init__(self, store: HostStore, slots: DeviceSlots, link: LinkProfile,
+                 fault: Callable[[int, int], bool] | None = None):
         self.link = link
         self.fault = fault
-        self._writer = _SlotWriter(store, gate_up_slots, down_slots, packed_slots)
-        self._cuda = gate_up_slots.device.type == "cuda"
-        self._stream = torch.cuda.Stream(gate_up_slots.device) if self._cuda else None
+        self._writer = SlotWriter(store, slots)
+        self._cuda = slots.device.type == "cuda"
+        self._stream = torch.cuda.Stream(slots.device) if self._cuda else None
+        self._running: Transfer | None = None
         self._queue: collections.deque[Transfer] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -328,17 +210,18 @@ class EmulatedLink(TransferEngine):
                 if self._stop:
                     return
                 t = self._queue.popleft()
-            t.t_start = time.perf_counter()
+                t.t_start = time.perf_counter()
+                self._running = t
             try:
                 if self.fault is not None and self.fault(t.m, t.e):
                     raise IOError(f"injected fault on expert {t.e} of MoE layer {t.m}")
                 if self._cuda:
                     with torch.cuda.stream(self._stream):
                         self._stream.wait_event(t.cuda_event)
-                        self._writer.copy(t, non_blocking=True)
+                        self._writer.write(t.m, t.e, t.slot, t.spec, non_blocking=True)
                     self._stream.synchronize()
                 else:
-                    self._writer.copy(t, non_blocking=False)
+                    self._writer.write(t.m, t.e, t.slot, t.spec, non_blocking=False)
                 t.ok = True
             except Exception as exc:  # a failed transfer is reported, never raised on this thread
                 t.error = repr(exc)
@@ -346,7 +229,18 @@ class EmulatedLink(TransferEngine):
             if hold > 0:
                 time.sleep(hold)
             t.t_end = time.perf_counter()
+            with self._cv:
+                self._running = None
             t.done.set()
+
+    def backlog_s(self) -> float:
+        """Link time of the queued transfers plus what is left of the running one."""
+        with self._cv:
+            queued = sum(self.link.transfer_time(q.nbytes) for q in self._queue)
+            r = self._running
+            if r is not None and r.t_start is not None:
+                queued += max(0.0, r.t_start + self.link.transfer_time(r.nbytes) - time.perf_counter())
+        return queued
 
     def close(self) -> None:
         """Stop the worker and cancel what is still queued; joins the thread."""
@@ -369,13 +263,12 @@ class EmulatedLink(TransferEngine):
 class CudaCopyEngine(TransferEngine):
     """Native CUDA back end: non-blocking copies from pinned memory on a dedicated stream."""
 
-    def __init__(self, store: HostStore, gate_up_slots: torch.Tensor, down_slots: torch.Tensor,
-                 fault: Callable[[int, int], bool] | None = None, packed_slots: PackedSlots | None = None):
-        if gate_up_slots.device.type != "cuda":
+    def __init__(self, store: HostStore, slots: DeviceSlots, fault: Callable[[int, int], bool] | None = None):
+        if slots.device.type != "cuda":
             raise ValueError("CudaCopyEngine needs slots on a CUDA device; use EmulatedLink on CPU")
         self.fault = fault
-        self._writer = _SlotWriter(store, gate_up_slots, down_slots, packed_slots)
-        self._stream = torch.cuda.Stream(gate_up_slots.device)
+        self._writer = SlotWriter(store, slots)
+        self._stream = torch.cuda.Stream(slots.device)
         self._closed = False
 
     def submit(self, m: int, e: int, slot: int, urgent: bool = False, spec: QuantSpec | None = None) -> Transfer:
@@ -392,7 +285,7 @@ class CudaCopyEngine(TransferEngine):
             return t
         self._stream.wait_stream(torch.cuda.current_stream())  # earlier kernels may read the slot
         with torch.cuda.stream(self._stream):
-            w.copy(t, non_blocking=True)
+            w.write(m, e, slot, spec, non_blocking=True)
             t.cuda_event = self._stream.record_event()
         t.ok = True
         return t
@@ -423,7 +316,20 @@ class CudaCopyEngine(TransferEngine):
             self._stream.synchronize()
             self._closed = True
 
-    @property
-    def threads(self) -> list[threading.Thread]:
-        """No threads: the GPU's copy engine does the work."""
-        return []
+
+
+@torch.no_grad()
+def calibrate_layer_time(model: nn.Module, steps: int = 12) -> float:
+    """Median seconds of one decoder layer in a batch-1 decode step of the model as it is now."""
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 8, dtype=torch.long, device=device)
+    cache = model(input_ids=ids, use_cache=True)["cache"]
+    nxt, times = ids[:, -1:], []
+    for _ in range(max(2, steps)):
+        t0 = time.perf_counter()
+        model(input_ids=nxt, cache=cache, use_cache=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] / len(getattr(model, "model", model).layers)

@@ -14,6 +14,7 @@ from fate_lab.links import LINK_PROFILES, REAL_SETUPS, resolve_link, scaled_prof
 from fate_lab.paths import TINY_MOE_DIR
 from fate_lab.runtime import OffloadConfig, Runtime, offload
 from fate_lab.testing import tiny_model
+from fate_lab.slots import FullSlots
 from fate_lab.transfer import EmulatedLink
 from fate_lab.store import RamStore
 
@@ -134,7 +135,7 @@ def test_long_generation_keeps_device_memory_flat():
         _generate(model, _prompt(model.config.vocab_size), n=300)
         assert [t.data_ptr() for t in rt.device_tensors()] == ptrs
         assert rt.device_bytes() == nbytes and len(list(model.parameters())) == n_params
-        assert len(rt.staging_free) + sum(len(l.staged) for l in rt.layers) + len(rt._zombies) == rt.n_staging
+        assert rt.cache.staging_free + sum(len(l.staged) for l in rt.layers) + len(rt.cache.zombies) == rt.n_staging
         assert rt.stats.summary()["decode"]["forwards"] == 299
 
 
@@ -179,11 +180,11 @@ def test_scaled_link_keeps_the_real_ratio():
 def test_emulated_link_overlaps_with_compute_and_holds_for_link_time():
     model = tiny_model("qwen2_moe", seed=0)
     store = RamStore.from_adapter(adapt(model))
-    slots_gu = torch.empty(2, *store.fetch(0, 0).gate_up.shape)
-    slots_d = torch.empty(2, *store.fetch(0, 0).down.shape)
+    slots = FullSlots.empty(2, store.fetch(0, 0).gate_up.shape, store.fetch(0, 0).down.shape, torch.float32, "cpu")
+    slots_gu, slots_d = slots.gate_up, slots.down
     nbytes = store.fetch(0, 0).nbytes
     link = LINK_PROFILES["test_fast"].__class__("slow", bandwidth=nbytes / 0.05, latency=0.0)  # 50 ms each
-    eng = EmulatedLink(store, slots_gu, slots_d, link)
+    eng = EmulatedLink(store, slots, link)
     try:
         t0 = time.perf_counter()
         a, b = eng.submit(0, 3, 0), eng.submit(1, 5, 1)
@@ -246,5 +247,24 @@ def test_cuda_offload_matches_plain(native):
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_runtime_is_importable_from_module():
-    assert Runtime.__name__ == "Runtime" and "fate" in PRESETS and len(PRESETS) == 6
+def test_each_preset_does_what_its_name_says():
+    """Counts on an instant link pin each preset's mechanism (not merely that it exists)."""
+    model = tiny_model("qwen2_moe", seed=0)
+    ids = _prompt(model.config.vocab_size)
+    a = adapt(model)
+    summary = {}
+    for name in PRESETS:
+        with offload(model, OffloadConfig.preset(name, link="instant", slots=a.num_moe_layers * 2)) as rt:
+            _generate(model, ids)
+            summary[name] = (rt.stats.summary(), list(rt.slots_per_layer))
+    dec = {k: v[0]["decode"] for k, v in summary.items()}
+    assert dec["all_resident"]["bytes_moved"] == 0 and dec["all_resident"]["hit_rate"] == 1.0
+    assert dec["load_on_demand"]["hits"] == 0 and dec["load_on_demand"]["prefetch_issued"] == 0
+    assert dec["lru"]["prefetch_issued"] == 0 and dec["lru"]["hits"] > 0
+    for name in ("mixtral_offloading", "activation_path", "fate", "fate_v1"):
+        assert dec[name]["prefetch_issued"] > 0, name
+    assert dec["mixtral_offloading"]["set_size"] == a.top_k  # plain top-k of the next router
+    assert dec["fate"]["set_size"] >= a.top_k  # the 75th percentile keeps the top quarter of E (>= k here)
+    assert summary["lru"][1] == [2] * a.num_moe_layers  # uniform
+    assert summary["fate"][1][0] > summary["fate"][1][-1]  # shallow-favoring
+    assert isinstance(Runtime, type)

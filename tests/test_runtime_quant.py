@@ -14,6 +14,7 @@ from fate_lab.quant import QuantPolicy, QuantSpec, quantize_model_experts
 from fate_lab.runtime import OffloadConfig, offload
 from fate_lab.store import QuantizedStore, RamStore
 from fate_lab.testing import tiny_model
+from fate_lab.slots import FullSlots
 from fate_lab.transfer import EmulatedLink
 
 NEW_TOKENS = 10
@@ -135,18 +136,18 @@ def test_a_budget_holds_more_slots_at_int4():
     model = _model()
     a = adapt(model)
     fp, int4 = 3 * 64 * 64 * 4, 6912  # one expert: fp32 weights; INT4 g64 packed (4096+512 + 2048+256)
-    need_fp = a.dense_bytes() + a.kv_bytes_per_token() * 512 + (2 + 2) * fp  # top-2 + 2 prefetch buffers
+    need_fp = a.dense_bytes() + a.kv_bytes_per_token() * 512 + (2 + 2 * 2) * fp  # top-2 + 2 pools of 2 buffers
     budget = need_fp + 1 * fp  # one fp32 cache slot
     with offload(model, OffloadConfig.preset("fate", link="test_fast", budget=budget)) as rt:
         assert rt.plan.cache_total == 1
     # INT4: the buffers shrink too, plus one fp32 scratch expert that a packed slot is dequantized into;
-    # (budget - dense - KV - 4 x 6912 - 49152) // 6912 = (4 x 42240) // 6912 = 24
+    # (budget - dense - KV - 6 x 6912 - 49152) // 6912 = (6 x 42240) // 6912 = 36
     with offload(model, OffloadConfig.preset("fate_quant", link="test_fast", budget=budget)) as rt:
         assert rt.slot_expert_bytes == int4  # the largest precision that travels (INT4 > INT2)
-        assert rt.plan.cache_total == (4 * (fp - int4)) // int4 == 24
-        assert rt.plan.buffer_bytes == 4 * int4 + fp
-        assert sum(rt.slots_per_layer) == 24
-        assert rt.describe()["device_slot_bytes"] == (24 + 4) * int4 + fp  # packed slots + fp scratch
+        assert rt.plan.cache_total == min((6 * (fp - int4)) // int4, 2 * 16) == 32  # capped at 2 layers x 16
+        assert rt.plan.buffer_bytes == 6 * int4 + fp
+        assert sum(rt.slots_per_layer) == 32  # 36 slots, capped at 2 layers x 16 experts
+        assert rt.describe()["device_slot_bytes"] == (32 + 6) * int4 + fp  # packed slots + fp scratch
 
 
 @pytest.mark.parametrize("preset, quant", [("fate_quant", "fate"), ("fate_int8", "int8"), ("fate", "int4"),
@@ -161,7 +162,7 @@ def test_quantized_runtime_fits_its_budget_with_packed_slots(preset, quant):
     if spec is not None:
         ref_tokens, ref_logits = _generate(quantize_model_experts(model, spec), ids)
     int4 = _hand_expert_bytes(64, 64, 4, 64)
-    budget = a.dense_bytes() + a.kv_bytes_per_token() * 512 + 2 * a.bytes_per_expert() + 5 * int4  # 8-10 INT4 slots
+    budget = a.dense_bytes() + a.kv_bytes_per_token() * 512 + 2 * a.bytes_per_expert() + 10 * int4  # ~11 INT4 slots
     with offload(model, OffloadConfig.preset(preset, link="test_fast", budget=budget, quant=quant)) as rt:
         tokens, logits = _generate(model, ids)
         kv = a.kv_bytes_per_token() * rt.config.context_len
@@ -184,7 +185,7 @@ def test_quantized_runtime_fits_its_budget_with_packed_slots(preset, quant):
 
 
 def test_packed_slot_holds_the_packed_bytes_and_dequantizes_like_the_host_copy():
-    from fate_lab.transfer import PackedSlots
+    from fate_lab.slots import PackedSlots
 
     model = _model()
     base = RamStore.from_adapter(adapt(model))
@@ -192,8 +193,7 @@ def test_packed_slot_holds_the_packed_bytes_and_dequantizes_like_the_host_copy()
     store = QuantizedStore(base, [(int4, int2), (int4, int2)])
     slots = PackedSlots((128, 64), (64, 64), (int4, int2), torch.float32, n_slots=2, n_scratch=1, device="cpu")
     assert slots.slot_bytes == 6912 and slots.nbytes == 2 * 6912 + 49152
-    eng = EmulatedLink(store, slots.gate_up_scratch, slots.down_scratch, LinkProfile("fast", 1e12, 0.0),
-                       packed_slots=slots)
+    eng = EmulatedLink(store, slots, LinkProfile("fast", 1e12, 0.0))
     try:
         a, b = eng.submit(0, 3, 0, spec=int4), eng.submit(1, 5, 1, spec=int2)
         assert eng.wait(a) and eng.wait(b) and (a.nbytes, b.nbytes) == (6912, 4608)
@@ -213,11 +213,11 @@ def test_emulated_link_holds_for_the_packed_bytes_and_dequantizes_into_the_slot(
     base = RamStore.from_adapter(adapt(model))
     int4 = QuantSpec.preset("int4")
     store = QuantizedStore(base, [(int4,), (int4,)])
-    gu = torch.empty(2, *base.fetch(0, 0).gate_up.shape)  # (2, 2I, H)
-    dn = torch.empty(2, *base.fetch(0, 0).down.shape)  # (2, H, I)
+    slots = FullSlots.empty(2, base.fetch(0, 0).gate_up.shape, base.fetch(0, 0).down.shape, torch.float32, "cpu")
+    gu, dn = slots.gate_up, slots.down  # (2, 2I, H), (2, H, I)
     fp_bytes = base.fetch(0, 0).nbytes
     link = LinkProfile("slow", bandwidth=fp_bytes / 0.2, latency=0.0)  # 200 ms per fp32 expert
-    eng = EmulatedLink(store, gu, dn, link)
+    eng = EmulatedLink(store, slots, link)
     try:
         q = eng.submit(0, 3, 0, spec=int4)
         f = eng.submit(1, 5, 1)
@@ -282,7 +282,7 @@ def test_stepwise_forward_equals_the_full_forward():
 @pytest.mark.parametrize("name", ["int8", "int4", "int3", "int2"])
 def test_device_side_dequantize_is_bit_exact(name):
     from fate_lab.quant import quantize
-    from fate_lab.transfer import _dequantize_into
+    from fate_lab.slots import _dequantize_into
 
     w = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))  # (2I, H)
     q = quantize(w, QuantSpec.preset(name))

@@ -1,0 +1,381 @@
+"""The one expert cache: the per-layer slot state machine that every driver shares.
+
+What this file is: `ExpertCache`, the bookkeeping of which expert of which MoE layer sits in
+which device slot, written once and driven three ways -- by the runtime (`runtime.py`, real
+transfers on an engine thread or a CUDA stream), by the replay (`replay.py`, transfers that
+land at once) and by the timed simulator (`simulate.py`, a simulated link and clock). A
+driver implements the small `Link` protocol below; the cache never touches a tensor, a
+thread or a clock. If two drivers disagree on the same trace, that is a bug (tests say so).
+
+Slots are plain ints. Layout (`ExpertCache.num_slots` in all):
+  [cache slots of layer 0 | layer 1 | ... | top_k demand slots | prefetch pool A | pool B]
+Each MoE layer owns `slots_per_layer[m]` cache slots managed by its replacement policy.
+Experts that are not cached sit in *staging* slots: `top_k` demand slots for on-demand loads,
+and two prefetch pools of `prefetch_buffers` slots each, one for the even and one for the odd
+layers (a prefetch for layer m+1 is issued while layer m still computes from its own staged
+experts, so two pools never fight; with transfers that land at once each layer is then
+independent of the others, which the replay's per-layer sweeps rely on).
+Promotion (`admit_on_use=True`): a prefetched expert waits in its staging slot and enters the
+cache only when it is used; the slot itself changes owner (the staging slot joins the layer's
+cache, the victim's slot joins the pool), so no bytes move.
+
+One layer step (the order every driver follows; `step.run_layer` is that code):
+  order = cache.begin(m, needed)        # settle, drop stale prefetches, classify, queue misses
+  cache.prefetch(m + 1, predicted)      # what the predictor says layer m+1 needs
+  for e in order: slot = cache.acquire(m, e); <compute e from slot>; cache.done(m, e)
+  cache.end(m)
+Order of a layer's experts: resident first (hits, then prefetches still in flight, then
+misses), each group in the order of `needed` (popularity in prefill). That is the order the
+runtime computes in, so it is also the order the replay's replacement policy sees.
+Counters go to the `PhaseStats` of (layer, phase) given at construction; the driver counts
+bytes and stall time, the cache counts hits, misses, late prefetches and prefetch outcomes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from .replacement import ReplacementPolicy
+from .stats import PHASES, PhaseStats
+
+
+class Link(Protocol):
+    """What the cache asks of its driver (real engine, instant replay, or simulated link)."""
+
+    def submit(self, m: int, e: int, slot: int, urgent: bool, reason: str) -> Any:
+        """Queue expert (m, e) into slot; urgent loads go before queued prefetches. Returns a handle."""
+
+    def cancel(self, handle: Any) -> bool:
+        """Drop a transfer the link has not started; True if dropped (nothing moved)."""
+
+    def poll(self, handle: Any) -> bool | None:
+        """None while in flight; True once its bytes landed; False if it failed."""
+
+    def wait(self, m: int, e: int, handle: Any) -> bool:
+        """Block until done (the stall is the driver's to count); True if the bytes landed."""
+
+    def reload(self, m: int, e: int, slot: int, reason: str) -> None:
+        """Load (m, e) into slot synchronously (after a failed transfer)."""
+
+    def capacity(self, m: int) -> int | None:
+        """Prefetches the link can start before layer m needs them; None: no limit."""
+
+
+@dataclass(eq=False)
+class _Inflight:
+    handle: Any
+    slot: int
+    urgent: bool
+    reason: str
+
+
+@dataclass(eq=False)
+class _Pool:
+    """A pool of staging slots."""
+
+    name: str
+    free: list[int]
+
+
+@dataclass(eq=False)
+class LayerState:
+    """Slot bookkeeping of one MoE layer."""
+
+    cache_slots: list[int]  # slot ids this layer's cache owns
+    policy: ReplacementPolicy  # over expert ids, capacity len(cache_slots)
+    where: dict[int, int] = field(default_factory=dict)  # cached (reserved) expert -> slot
+    valid: set[int] = field(default_factory=set)  # cached experts whose slot holds their bytes
+    staged: dict[int, int] = field(default_factory=dict)  # expert -> staging slot (not cached)
+    inflight: dict[int, _Inflight] = field(default_factory=dict)  # expert -> transfer in flight
+    prefetched: set[int] = field(default_factory=set)  # moved by the predictor for the next call
+    prediction: list[int] | None = None  # predicted set for the next call
+    pending: set[int] = field(default_factory=set)  # needed by the current call, not computed yet
+    deferred: list[int] = field(default_factory=list)  # misses still waiting for a slot
+
+    @property
+    def free(self) -> list[int]:
+        """Cache slots reserved by nobody."""
+        used = set(self.where.values())
+        return [s for s in self.cache_slots if s not in used]
+
+    def resident(self) -> set[int]:
+        """Experts usable now without a transfer: valid cached or staged with nothing in flight."""
+        return (self.valid | set(self.staged)) - set(self.inflight)
+
+
+class ExpertCache:
+    """Per-layer expert slots under replacement policies, staging pools and in-flight transfers."""
+
+    def __init__(self, slots_per_layer: list[int], policy: Callable[[int, int], ReplacementPolicy], top_k: int,
+                 prefetch_buffers: int, link: Link, stats: list[dict[str, PhaseStats]] | None = None,
+                 cache: bool = True, admit_on_use: bool = False, link_budget: bool = False):
+        """policy(m, capacity) builds layer m's replacement policy; stats[m][phase] receives the counters."""
+        if top_k <= 0 or prefetch_buffers < 0:
+            raise ValueError(f"need top_k > 0 and prefetch_buffers >= 0, got {top_k}, {prefetch_buffers}")
+        self.link, self.top_k = link, top_k
+        self.cache_enabled, self.admit_on_use, self.link_budget = cache, admit_on_use, link_budget
+        self.stats = stats if stats is not None else [{p: PhaseStats() for p in PHASES} for _ in slots_per_layer]
+        self.phase = "prefill"
+        self.layers: list[LayerState] = []
+        base = 0
+        for m, c in enumerate(slots_per_layer):
+            self.layers.append(LayerState(list(range(base, base + c)), policy(m, c)))
+            base += c
+        self.demand = _Pool("demand", list(range(base, base + top_k)))
+        base += top_k
+        self.prefetch_pools = (_Pool("prefetch A", list(range(base, base + prefetch_buffers))),
+                               _Pool("prefetch B", list(range(base + prefetch_buffers, base + 2 * prefetch_buffers))))
+        self.num_slots = base + 2 * prefetch_buffers
+        self.num_staging = top_k + 2 * prefetch_buffers
+        self._pool_of: dict[int, _Pool] = {s: p for p in (self.demand, *self.prefetch_pools) for s in p.free}
+        self.zombies: list[tuple[int, Any]] = []  # staging slots whose unneeded transfer runs on
+
+    # --- the layer step -----------------------------------------------------------------
+    def begin(self, m: int, needed: list[int]) -> list[int]:
+        """Layer m starts with the distinct experts `needed`: returns the order to compute them in."""
+        layer, st = self.layers[m], self.stats[m][self.phase]
+        st.calls += 1
+        self._reap()
+        self._settle(m)
+        needed_set = set(needed)
+        if layer.prediction is not None:  # recall / precision of the prediction made for this call
+            pred = set(layer.prediction)
+            st.predictions += 1
+            st.predicted += len(pred)
+            st.predicted_used += len(pred & needed_set)
+            st.true_used += len(needed_set)
+        layer.prediction = None
+        st.prefetch_useful += len(layer.prefetched & needed_set)
+        st.prefetch_wasted += len(layer.prefetched - needed_set)
+        layer.prefetched = set()
+        self._drop_stale(m, needed_set)
+
+        st.uses += len(needed)
+        ready, waiting, missing = [], [], []
+        for e in needed:
+            if e in layer.inflight:
+                waiting.append(e)
+                st.late += 1
+            elif e in layer.staged or e in layer.valid:
+                ready.append(e)
+                st.hits += 1
+                if e in layer.where:
+                    layer.policy.access(e)
+            else:
+                missing.append(e)
+                st.misses += 1
+        order = ready + waiting + missing  # resident first: their compute hides the transfers
+        layer.pending = set(order)
+        for e in waiting:  # a needed prefetch still queued becomes urgent: it goes before the misses
+            inf = layer.inflight[e]
+            if not inf.urgent and self.link.cancel(inf.handle):
+                self._submit(m, e, inf.slot, urgent=True, reason=inf.reason)
+        layer.deferred = [e for e in missing if not self._demand(m, e)]
+        return order
+
+    def prefetch(self, n: int, predicted: list[int], low_count: Callable[[int], int] | None = None) -> int:
+        """Queue predicted experts of layer n (most probable first); returns how many transfers were queued.
+
+        With `link_budget`, at most `link.capacity(n)` transfers; `low_count(k)` of the k queued (the
+        least probable) travel for reason "prefill_low" instead of "prefetch" (Fate's INT2 prefill tail).
+        """
+        layer, st = self.layers[n], self.stats[n][self.phase]
+        layer.prediction = list(predicted)
+        cap = self.link.capacity(n) if self.link_budget else None
+        protect = frozenset(layer.inflight) | frozenset(predicted)  # a prediction never evicts itself
+        moves: list[tuple[int, int]] = []
+        for e in predicted:
+            if e in layer.inflight or e in layer.valid or e in layer.staged:
+                continue
+            if cap is not None and len(moves) >= cap:
+                break
+            slot = self._reserve(n, e, protect, for_prefetch=True)
+            if slot is None:
+                break  # no slot left for prefetching this layer
+            moves.append((e, slot))
+        n_low = low_count(len(moves)) if low_count is not None and moves else 0
+        for i, (e, slot) in enumerate(moves):
+            self._submit(n, e, slot, urgent=False, reason="prefill_low" if i >= len(moves) - n_low else "prefetch")
+            layer.prefetched.add(e)
+            st.prefetch_issued += 1
+        return len(moves)
+
+    def acquire(self, m: int, e: int) -> int:
+        """The slot of expert e of layer m once its bytes are there (waits; reloads a failed transfer)."""
+        layer = self.layers[m]
+        while layer.deferred and self._demand(m, layer.deferred[0]):  # slots freed by computed experts
+            layer.deferred.pop(0)
+        if layer.deferred and layer.deferred[0] == e:  # e is next and still has no slot: make one free
+            layer.deferred.pop(0)
+            if not self._demand(m, e, blocking=True):
+                raise RuntimeError(f"no slot for expert {e} of MoE layer {m} (cache bug)")
+        slot = layer.staged.get(e, layer.where.get(e))
+        inf = layer.inflight.pop(e, None)
+        if inf is not None and not self.link.wait(m, e, inf.handle):
+            self.stats[m][self.phase].failures += 1
+            self.link.reload(m, e, slot, inf.reason)
+        if e in layer.where:
+            layer.valid.add(e)
+        return slot
+
+    def done(self, m: int, e: int) -> None:
+        """Expert e of layer m has computed: its staging slot is given back, or (admit_on_use) it is cached."""
+        layer = self.layers[m]
+        layer.pending.discard(e)
+        if e in layer.staged and e not in layer.inflight:
+            if self.admit_on_use and self.cache_enabled and layer.cache_slots:
+                self._promote(m, e)
+            else:
+                self._release(layer.staged.pop(e))
+
+    def end(self, m: int) -> None:
+        """Layer m's call is over (load-on-demand forgets what it loaded)."""
+        layer = self.layers[m]
+        layer.pending.clear()
+        if not self.cache_enabled:
+            layer.valid.clear()
+
+    # --- filling: the all-resident upper bound ----------------------------------------
+    def preload(self, m: int, experts: list[int]) -> list[tuple[int, int]]:
+        """Mark experts of layer m cached (the caller loads them): returns (expert, slot) pairs."""
+        layer, out = self.layers[m], []
+        for e, slot in zip(experts, layer.cache_slots):
+            layer.policy.admit(e)
+            layer.where[e] = slot
+            layer.valid.add(e)
+            out.append((e, slot))
+        return out
+
+    # --- internals ----------------------------------------------------------------------
+    def _pool_for(self, m: int) -> _Pool:
+        return self.prefetch_pools[m % 2]
+
+    def _take_staging(self, m: int, for_prefetch: bool) -> int | None:
+        """A free staging slot: prefetches use their layer's pool, on-demand loads the demand pool first."""
+        pools = (self._pool_for(m),) if for_prefetch else (self.demand, self._pool_for(m))
+        for pool in pools:
+            if pool.free:
+                return pool.free.pop()
+        return None
+
+    def _release(self, slot: int) -> None:
+        self._pool_of[slot].free.append(slot)
+
+    @property
+    def staging_free(self) -> int:
+        """Free staging slots of every pool."""
+        return len(self.demand.free) + sum(len(p.free) for p in self.prefetch_pools)
+
+    def _reserve(self, m: int, e: int, protect: frozenset, for_prefetch: bool) -> int | None:
+        """A slot for expert e of layer m from its cache or from staging; None if there is none now."""
+        layer = self.layers[m]
+        if e in layer.where:  # reserved earlier but its bytes never arrived (dropped or failed)
+            layer.policy.access(e)
+            return layer.where[e]
+        if self.cache_enabled and layer.cache_slots and not (for_prefetch and self.admit_on_use):
+            victim = layer.policy.admit(e, protect)
+            if victim != e:
+                if victim is None:
+                    slot = layer.free[0]
+                else:
+                    slot = layer.where.pop(victim)
+                    layer.valid.discard(victim)
+                layer.where[e] = slot
+                return slot
+        slot = self._take_staging(m, for_prefetch)
+        if slot is not None:
+            layer.staged[e] = slot
+        return slot
+
+    def _promote(self, m: int, e: int) -> None:
+        """A staged expert that was just used joins layer m's cache; slots swap owners, no bytes move."""
+        layer = self.layers[m]
+        slot = layer.staged.pop(e)
+        victim = layer.policy.admit(e, frozenset(layer.pending) | frozenset(layer.inflight))
+        if victim == e:  # nothing may be evicted: it stays uncached
+            self._release(slot)
+            return
+        if victim is None:
+            freed = layer.free[0]
+        else:
+            freed = layer.where.pop(victim)
+            layer.valid.discard(victim)
+        pool = self._pool_of.pop(slot)
+        layer.cache_slots[layer.cache_slots.index(freed)] = slot
+        self._pool_of[freed] = pool
+        pool.free.append(freed)
+        layer.where[e] = slot
+        layer.valid.add(e)
+
+    def _submit(self, m: int, e: int, slot: int, urgent: bool, reason: str) -> None:
+        h = self.link.submit(m, e, slot, urgent, reason)
+        self.layers[m].inflight[e] = _Inflight(h, slot, urgent, reason)
+
+    def _demand(self, m: int, e: int, blocking: bool = False) -> bool:
+        """Queue an urgent load of e; False if no slot is free now (blocking: make one free)."""
+        layer = self.layers[m]
+        protect = frozenset(layer.pending) | frozenset(layer.inflight)
+        slot = self._reserve(m, e, protect, for_prefetch=False)
+        if slot is None and blocking:
+            self._reap(wait_in=m)
+            self._steal_staging(m)
+            slot = self._reserve(m, e, protect, for_prefetch=False)
+        if slot is None:
+            return False
+        self._submit(m, e, slot, urgent=True, reason="miss")
+        return True
+
+    def _steal_staging(self, m: int) -> None:
+        """Free the staging slots other layers' prefetches hold (last resort for an on-demand load)."""
+        for n, layer in enumerate(self.layers):
+            if n == m:
+                continue
+            for e in list(layer.staged):
+                inf = layer.inflight.pop(e, None)
+                if inf is not None and not self.link.cancel(inf.handle):
+                    self.link.wait(m, e, inf.handle)  # layer m waits for it
+                self._release(layer.staged.pop(e))
+                if e in layer.prefetched:
+                    layer.prefetched.discard(e)
+                    self.stats[n][self.phase].prefetch_wasted += 1
+
+    def _settle(self, m: int) -> None:
+        """Absorb the finished transfers of layer m without waiting."""
+        layer = self.layers[m]
+        for e, inf in list(layer.inflight.items()):
+            ok = self.link.poll(inf.handle)
+            if ok is None:
+                continue
+            del layer.inflight[e]
+            if ok and e in layer.where:
+                layer.valid.add(e)
+            elif not ok:  # a failed transfer: counted; a staged one gives its slot back
+                self.stats[m][self.phase].failures += 1
+                if e in layer.staged:
+                    self._release(layer.staged.pop(e))
+
+    def _reap(self, wait_in: int | None = None) -> None:
+        """Give back the staging slots of unneeded transfers that have finished (or, from layer
+        `wait_in`'s call, wait for them: that wait is layer wait_in's stall)."""
+        keep = []
+        for slot, h in self.zombies:
+            if wait_in is not None and self.link.poll(h) is None:
+                self.link.wait(wait_in, -1, h)
+            (self._release(slot) if self.link.poll(h) is not None else keep.append((slot, h)))
+        self.zombies = keep
+
+    def _drop_stale(self, m: int, needed: set[int]) -> None:
+        """Queued prefetches layer m does not need are cancelled; unneeded staged experts leave."""
+        layer = self.layers[m]
+        for e in [e for e in layer.inflight if e not in needed]:
+            inf = layer.inflight[e]
+            if self.link.cancel(inf.handle):
+                del layer.inflight[e]
+                if e in layer.staged:
+                    self._release(layer.staged.pop(e))
+            elif e in layer.staged:  # already on the link: its slot comes back when it lands
+                del layer.inflight[e]
+                self.zombies.append((layer.staged.pop(e), inf.handle))
+            # into a cache slot and already on the link: it stays in flight (never evicted) and lands valid
+        for e in [e for e in layer.staged if e not in needed]:
+            self._release(layer.staged.pop(e))

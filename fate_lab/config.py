@@ -1,0 +1,118 @@
+"""Configuration of the offloaded runtime: `OffloadConfig` (frozen) and its presets by name.
+
+What this file is: every knob of `offload(model, config)` with a comment on why it exists, and
+the named baselines the notebooks and benchmarks compare (`OffloadConfig.preset(name)`).
+What it is not: the runtime (`runtime.py`) or the timed simulator (`simulate.py`), which both
+read these objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .predictors import Percentile, SelectionRule
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Every knob of the runtime; `OffloadConfig.preset(name, **overrides)` for the baselines."""
+
+    name: str = "custom"
+    budget: int | None = None  # device bytes for dense + KV + buffers + expert cache ...
+    slots: int | None = None  # ... or the expert cache size in slots; neither: every expert fits
+    link: str = "pcie3_x16"  # links.LINK_PROFILES key ("instant": transfers land inside submit),
+    # or a links.REAL_SETUPS key for the scaled mode
+    predictor: str | None = "cross_layer_gate"  # None | "cross_layer_gate" | "activation_path"
+    rule: SelectionRule | None = Percentile(75.0)  # cross-layer gate rule; None: TopK(model top_k)
+    allocation: str = "shallow"  # allocation.ALLOCATIONS key
+    miss_curves: tuple | None = None  # allocation="miss_curve": curves[l][c] misses of layer l with c slots;
+    # None: calibrated at offload time on a short greedy run from a seeded prompt (LRU curves)
+    shallow_layers: int | None = None  # Fate's L for allocation="shallow"; None: 1/8 of the MoE layers
+    # (the paper uses L = 3-4 of Qwen1.5-MoE's 24 layers), at least 1
+    replacement: str = "arc"  # replacement.POLICIES key
+    cache: bool = True  # False: nothing stays on the device after use (load on demand)
+    all_resident: bool = False  # upper bound: every expert gets a slot, loaded before the first token;
+    # budget/slots are then ignored
+    popularity_order: bool = True  # prefill computes popular experts first
+    prefetch_buffer_experts: int | None = None  # slots of each of the two prefetch pools; None: top_k
+    # if prefetching (the planner counts top_k demand slots + 2 pools)
+    prefetch_budget: str = "link"  # "link": queue only what the link can start before the next layer
+    # needs it (its window minus the queue already waiting); "all": the whole predicted set
+    admit_prefetch: str = "on_use"  # "on_use": a prefetched expert waits in staging and enters the
+    # cache when used; "on_load": it is admitted into the cache when queued (may evict)
+    context_len: int = 512  # tokens of KV cache the budget must hold
+    store: str = "ram"  # "ram" | "ssd" (read experts from `checkpoint` safetensors on demand)
+    checkpoint: str | None = None  # safetensors file/folder for store="ssd"
+    native_link: bool = False  # on CUDA: the real PCIe link instead of an emulated profile
+    calibration_steps: int = 12  # decode steps timed to calibrate the scaled link
+    layer_compute_s: float | None = None  # scaled link: the tiny model's layer time; None: calibrate now
+    timeline: bool = True  # record (kind, layer, expert, t_start, t_end) events
+    timeline_max_events: int = 200_000
+    quant: str | None = None  # quant.QuantPolicy preset ("fate", "int8", "int4", ...); None: full precision
+
+    @staticmethod
+    def preset_names(include_quant: bool = False) -> list[str]:
+        """Names accepted by `preset`; the quantized ones (whose output differs) only with include_quant."""
+        return list(_PRESETS) + (list(_QUANT_PRESETS) if include_quant else [])
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "OffloadConfig":
+        """A named baseline with any field overridden (budget=..., slots=..., link=..., ...)."""
+        known = {**_PRESETS, **_QUANT_PRESETS}
+        if name not in known:
+            raise ValueError(f"unknown preset {name!r}; choose one of {list(known)}")
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"OffloadConfig has no field(s) {sorted(unknown)}")
+        return dataclasses.replace(known[name], **overrides)
+
+    def __post_init__(self) -> None:
+        for fld, allowed in (("prefetch_budget", ("link", "all")), ("admit_prefetch", ("on_use", "on_load")),
+                             ("store", ("ram", "ssd"))):
+            if getattr(self, fld) not in allowed:
+                raise ValueError(f"OffloadConfig.{fld}={getattr(self, fld)!r}; choose one of {list(allowed)}")
+        for fld in ("budget", "slots"):
+            v = getattr(self, fld)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"OffloadConfig.{fld}={v!r}: give a non-negative int ({'bytes' if fld == 'budget' else 'expert slots'}) or None")
+        if self.layer_compute_s is not None and not (isinstance(self.layer_compute_s, (int, float))
+                                                     and 0 < self.layer_compute_s < float("inf")):
+            raise ValueError(f"OffloadConfig.layer_compute_s={self.layer_compute_s!r}: give seconds > 0, or None "
+                             "to calibrate")
+
+
+_PRESETS: dict[str, OffloadConfig] = {
+    # upper bound: every expert has a slot and is loaded before the first token
+    "all_resident": OffloadConfig("all_resident", predictor=None, allocation="uniform", replacement="lru",
+                                  all_resident=True),
+    # the paper's baseline: no cache, no prefetch; every use is a synchronous load
+    "load_on_demand": OffloadConfig("load_on_demand", predictor=None, allocation="uniform", replacement="lru",
+                                    cache=False, popularity_order=False),
+    # plain offloading: on-demand loads kept in a per-layer LRU cache
+    "lru": OffloadConfig("lru", predictor=None, allocation="uniform", replacement="lru"),
+    # mixtral-offloading: LRU + next layer's router applied to this gate input, top-k speculative loads
+    "mixtral_offloading": OffloadConfig("mixtral_offloading", predictor="cross_layer_gate", rule=None,
+                                        allocation="uniform", replacement="lru", prefetch_budget="all",
+                                        admit_prefetch="on_load"),
+    # EAP baseline: expert-activation-path history predictor, LRU cache
+    "activation_path": OffloadConfig("activation_path", predictor="activation_path", allocation="uniform",
+                                     replacement="lru", prefetch_budget="all", admit_prefetch="on_load"),
+    # Fate: cross-layer gate + 75th-percentile expansion, shallow-favoring allocation, ARC, and the
+    # prefetch sized by the link (what it can start before the next layer needs it), admitted on use
+    "fate": OffloadConfig("fate"),
+    # Fate as the first version ran it: the whole percentile set queued and admitted into the cache
+    "fate_v1": OffloadConfig("fate_v1", prefetch_budget="all", admit_prefetch="on_load"),
+}
+
+# Quantized presets: the same runtime policies as `fate`, experts stored and moved packed.
+# Their output differs from the full-precision model's, so `preset_names()` lists them apart.
+_QUANT_PRESETS: dict[str, OffloadConfig] = {
+    # Fate's scheme: INT4 cache/prefetch, INT2 misses and least popular prefill experts
+    "fate_quant": dataclasses.replace(_PRESETS["fate"], name="fate_quant", quant="fate"),
+    # every expert at INT8 (g64): the near-lossless check
+    "fate_int8": dataclasses.replace(_PRESETS["fate"], name="fate_int8", quant="int8"),
+    # plain LRU offloading with fate_quant's precisions (INT4 cached, INT2 misses): equal bytes
+    "lru_quant": dataclasses.replace(_PRESETS["lru"], name="lru_quant", quant="fate"),
+}
+
+

@@ -1,0 +1,63 @@
+"""The layer step: one MoE layer's experts call, the same code for the runtime and the simulator.
+
+What this file is: `needed_order` (which experts a call needs, in the order they compute) and
+`run_layer`, the sequence Fate's decode pipeline runs in every MoE layer m:
+  1. the cache settles finished transfers, drops stale prefetches and queues the misses (urgent);
+  2. the predictor scores layer m+1 on the host from layer m's gate input and the cache queues
+     the predicted experts (most probable first, as many as the link can start in time when
+     the config says so);
+  3. layer m's experts compute one after another from their slots, waiting where a transfer
+     is still on the link.
+The caller supplies what differs: `scores()` (the cross-layer scores, computed on the host),
+`compute(e, slot)` (real expert math in the runtime, simulated time in the simulator) and
+`on_predict(seconds)` hooks. What it is not: it keeps no state, moves no bytes, and knows no clock.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+from torch import Tensor
+
+from .cache import ExpertCache
+from .predictors import Predictor
+
+
+def needed_order(flat: list[int], popularity: bool) -> list[int]:
+    """Distinct experts of a call's flat (token, k) ids: by popularity (count, then first use), or by id."""
+    if not popularity:
+        return sorted(set(flat))
+    count = Counter(flat)
+    first = {}
+    for i, e in enumerate(flat):
+        first.setdefault(e, i)
+    return sorted(count, key=lambda e: (-count[e], first[e]))
+
+
+def run_layer(cache: ExpertCache, predictor: Predictor | None, m: int, idx_host: Tensor,
+              scores: Callable[[], Tensor | None], compute: Callable[[int, int], None],
+              popularity: bool = True, low_count: Callable[[int], int] | None = None,
+              timed_predict: Callable[[Callable[[], list[int]]], list[int]] | None = None) -> list[int]:
+    """One experts call of MoE layer m with routing idx_host [T, K]; returns the compute order.
+
+    `timed_predict(fn)` runs the host-side prediction `fn` and accounts for its time (runtime:
+    a timeline event; simulator: the host profile's predictor time); None just calls it.
+    """
+    flat = idx_host.reshape(-1).tolist()  # (T*K,)
+    order = cache.begin(m, needed_order(flat, popularity))
+    if predictor is not None and m + 1 < len(cache.layers):
+        def predict() -> list[int]:
+            s = scores()  # (T, E) layer m+1's router on layer m's gate input
+            cur = idx_host[0] if idx_host.shape[0] == 1 else idx_host
+            return list(predictor.predict(m, None if s is None else (s[0] if s.shape[0] == 1 else s), cur))
+
+        predicted = timed_predict(predict) if timed_predict is not None else predict()
+        cache.prefetch(m + 1, predicted, low_count)
+    if predictor is not None:
+        predictor.observe(m, idx_host)
+    for e in order:
+        slot = cache.acquire(m, e)
+        compute(e, slot)
+        cache.done(m, e)
+    cache.end(m)
+    return order

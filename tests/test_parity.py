@@ -1,0 +1,122 @@
+"""One cache, three drivers: the runtime and the simulator agree exactly on an instant link.
+
+The runtime really moves bytes (an `InstantLink` engine that copies inside submit); the
+simulator replays a trace recorded by `record_trace` on the un-offloaded model. Both drive the
+same `cache.ExpertCache` and `step.run_layer`, so their per-layer counters must be identical.
+Quantized presets are left out on purpose: they change the model's routing, so a trace of the
+plain model is not what they run (a trace of the quantized model would be).
+"""
+import pytest
+import torch
+
+from fate_lab.adapters import adapt
+from fate_lab.config import OffloadConfig
+from fate_lab.paths import TINY_MOE_DIR
+from fate_lab.runtime import offload
+from fate_lab.simulate import COMPUTE_PROFILES, Hardware, ModelShape, SimLink, simulate, trace_steps
+from fate_lab.testing import tiny_model
+from fate_lab.trace import record_trace
+
+KEYS = ("calls", "uses", "hits", "late", "misses", "prefetch_issued", "prefetch_useful", "prefetch_wasted",
+        "predicted", "predicted_used", "bytes_moved")
+PRESETS = OffloadConfig.preset_names()
+HW = Hardware(COMPUTE_PROFILES["qwen15_moe_rtx3090"], None)  # the compute profile does not matter here
+
+
+def _counts(stats) -> list[dict]:
+    return [{(p, k): getattr(layer[p], k) for p in ("prefill", "decode") for k in KEYS} for layer in stats.layers]
+
+
+@torch.no_grad()
+def _greedy(model, prompt: list[int], new_tokens: int) -> None:
+    """Prefill + new_tokens - 1 greedy decode forwards, as record_trace runs them (through any EOS)."""
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    for _ in range(new_tokens - 1):
+        nxt = out.logits[:, -1:].argmax(-1)  # (1, 1)
+        out = model(input_ids=nxt, cache=out.cache, use_cache=True)
+
+
+def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int]) -> None:
+    trace = record_trace(model, None, prompts, decode_tokens=new_tokens - 1, progress=False)
+    shape = ModelShape.from_adapter(adapt(model))
+    for name in PRESETS:
+        for slots in budgets:
+            cfg = OffloadConfig.preset(name, link="instant", slots=slots)
+            with offload(model, cfg) as rt:
+                for p in prompts:
+                    _greedy(model, p, new_tokens)
+                real = _counts(rt.stats)
+                real_slots = list(rt.slots_per_layer)
+            sim = simulate(trace, cfg, HW, shape)
+            assert sim.slots_per_layer == real_slots, (name, slots)
+            for m, (r, s) in enumerate(zip(real, _counts(sim.stats))):
+                diff = {k: (r[k], s[k]) for k in r if r[k] != s[k]}
+                assert not diff, f"{name} slots={slots} layer {m}: runtime vs simulator {diff}"
+
+
+@pytest.mark.skipif(not TINY_MOE_DIR.is_dir(), reason="embedded model data/tiny_moe not present")
+def test_simulator_counts_equal_runtime_counts_on_the_embedded_model():
+    from fate_lab.models import load_model
+
+    model, tok = load_model(None)
+    a = adapt(model)
+    prompts = [tok("The expert cache holds")["input_ids"], tok("In the beginning")["input_ids"]]
+    _check(model, prompts, new_tokens=10, budgets=[a.num_moe_layers * a.num_experts // 2,
+                                                   a.num_moe_layers * a.num_experts // 4])
+
+
+@pytest.mark.parametrize("family", ["olmoe", "mixtral"])
+def test_simulator_counts_equal_runtime_counts_on_other_families(family):
+    model = tiny_model(family, seed=1)
+    a = adapt(model)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, model.config.vocab_size, (7,), generator=g).tolist() for _ in range(2)]
+    _check(model, prompts, new_tokens=8, budgets=[a.num_moe_layers * 2, a.num_moe_layers * a.num_experts // 2])
+
+
+def test_trace_steps_group_a_prompts_prefill():
+    from fate_lab.trace import from_routing_array
+
+    tr = from_routing_array(torch.zeros(7, 1, 1, dtype=torch.int64), num_experts=2,
+                            phase=[0, 0, 0, 1, 1, 0, 1], prompt_id=[0, 0, 0, 0, 0, 1, 1])
+    assert trace_steps(tr) == [(0, 3), (3, 4), (4, 5), (5, 6), (6, 7)]
+
+
+class _Clock:
+    """The minimum of a simulation a SimLink needs: a clock, a phase, counters, byte sizes."""
+
+    def __init__(self):
+        from fate_lab.stats import PhaseStats, RuntimeStats
+
+        self.now, self.phase, self.window_s = 0.0, "decode", {}
+        self.stats = RuntimeStats([{"prefill": PhaseStats(), "decode": PhaseStats()}], "", "", None, [1])
+        self.shape = type("S", (), {"nbytes": staticmethod(lambda spec: 1000)})()
+        self.events, self.stalls = [], []
+
+    def spec(self, m, reason):
+        return None
+
+    def event(self, *ev):
+        self.events.append(ev)
+
+    def stall(self, m, e, w0, w1):
+        self.stalls.append(w1 - w0)
+
+
+def test_sim_link_queue_by_hand():
+    """1000 bytes at 1e6 B/s = 1 ms each; urgent loads jump queued prefetches; started ones cannot be cancelled."""
+    from fate_lab.links import LinkProfile
+
+    clock = _Clock()
+    link = SimLink(clock, LinkProfile("hand", 1e6, 0.0))
+    p1 = link.submit(0, 1, 0, False, "prefetch")  # starts at 0, ends 1 ms
+    p2 = link.submit(0, 2, 1, False, "prefetch")  # queued
+    clock.now = 0.0005
+    u = link.submit(0, 3, 2, True, "miss")  # jumps p2: 1 -> 2 ms
+    assert link.backlog_s() == pytest.approx(0.0025)  # 0.5 ms left of p1 + u + p2
+    assert not link.cancel(p1) and link.poll(p1) is None
+    assert link.wait(0, 3, u) and clock.now == pytest.approx(0.002) and clock.stalls == [pytest.approx(0.0015)]
+    assert (p1.start, p1.end, u.start, u.end) == (0.0, 0.001, 0.001, pytest.approx(0.002))
+    assert link.cancel(p2) is False  # the link reached it at 2 ms, when u ended
+    assert link.poll(p2) is None and link.wait(0, 2, p2) and clock.now == pytest.approx(0.003)
+    assert clock.stats.layers[0]["decode"].bytes_moved == 2000  # u and p2 were observed landing; p1 never
