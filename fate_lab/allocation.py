@@ -75,8 +75,9 @@ class ShallowFavoringAllocation:
 def lru_miss_curves(experts: Tensor, num_experts: int) -> list[list[int]]:
     """Misses of an LRU cache of each capacity 0..E, per layer, in one pass (stack distances).
 
-    ``experts [N, L, k]``. Matches ``fate_lab.replay`` (demand loading, the token's own experts
-    protected) exactly for every capacity >= k. ``curves[l][c]`` = misses of layer l with c slots.
+    ``experts [N, L, k]``. Updates recency in the input order of a token's experts, so it equals
+    a replay that touches them in that order; ``fate_lab.replay`` follows the runtime's order (a
+    token's hits before its misses) and differs from it by a few misses per thousand uses. ``curves[l][c]`` = misses of layer l with c slots.
     """
     ex = torch.as_tensor(experts)
     N, L, k = ex.shape

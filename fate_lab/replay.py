@@ -1,20 +1,26 @@
 """Trace replay of the per-layer expert cache: hit rates, bytes moved, wasted prefetches.
 
 Given a recorded routing trace ``experts [N, L, k]`` (tokens in processing order), a slot count
-per layer, a replacement policy and optionally the predicted sets, ``replay`` walks the trace:
-for each token and each layer in order
+per layer, a replacement policy and optionally the predicted sets, ``replay`` drives THE
+runtime's cache (``cache.ExpertCache``) with transfers that land at once, one token and one
+layer at a time, in the runtime's order:
 
-(a) prefetch: the experts predicted for this layer (made while the previous layer ran) are
-    admitted, most probable first, protecting the rest of the predicted set (a prediction never
-    evicts itself; what the cache cannot take goes to one of ``prefetch_buffer`` staging slots,
-    resident for this token only, as in the runtime; beyond those it is skipped, moving nothing);
-(b) each true expert is a *hit* if resident (prefetched in time or cached), else a *miss*,
-    loaded on demand and admitted while protecting the token's other experts of this layer.
+(a) prefetch: the experts predicted for layer l (made while layer l-1 ran) are queued most
+    probable first, as the runtime queues them: admitted into the cache (``admit_prefetch=
+    "on_load"``, protecting the rest of the predicted set) or held in one of
+    ``prefetch_buffer`` staging slots until used (``"on_use"``; a used one then enters the
+    cache); what finds no slot moves nothing;
+(b) the token's experts of layer l are classified (resident or not) and computed in the
+    runtime's order: hits first, then misses, each loaded on demand while the token's other
+    experts of the layer are protected. That order is what the replacement policy sees, so an
+    LRU result no longer depends on the column order of the input beyond the router's own order.
 
-Layers are independent (each has its own slots, policy and predictions), so results are
-computed per (layer, slots) and ``sweep`` reuses them across the boundary x budget grid.
-The replay is a model of the runtime's cache, not a timing model: no stalls are computed here.
-Prefill tokens are replayed one by one, in trace order.
+Layers are independent (each has its own slots, policy, predictions and staging pool), so
+results are computed per (layer, slots) and ``sweep`` reuses them across the boundary x budget
+grid. The replay has no clock: a prefetch always arrives. For time, the batched prefill step and
+the link, use ``fate_lab.simulate`` (same cache; equal counts with an instant link, tested).
+Prefill tokens are replayed one by one, in trace order. ``replay``/``sweep``/``miss_curves``
+accept a ``Trace`` or a plain ``[N, L, k]`` tensor, and ``slots_per_layer`` as a list or one int.
 """
 from __future__ import annotations
 
@@ -25,14 +31,16 @@ import torch
 from torch import Tensor
 
 from fate_lab.allocation import ShallowFavoringAllocation
+from fate_lab.cache import ExpertCache
 from fate_lab.predictors import SelectionRule
 from fate_lab.replacement import ReplacementPolicy, policy_from_name
+from fate_lab.stats import PHASES
 
 Predictions = list  # list[N] of list[L] of (list[int] | None)
 PolicySpec = str | Callable[[int], ReplacementPolicy]
 
 _COUNTS = ("uses", "hits", "uses_prefill", "hits_prefill", "uses_decode", "hits_decode",
-           "demand_loads", "prefetch_loads", "prefetch_useful", "prefetch_wasted", "prefetch_unused_at_end")
+           "demand_loads", "prefetch_loads", "prefetch_useful", "prefetch_wasted")
 
 
 def predictions_from_rule(pred_scores: Tensor, rule: SelectionRule) -> Predictions:
@@ -50,67 +58,64 @@ def _make_policy(policy: PolicySpec, capacity: int, uses: list[list[int]], polic
     return policy(capacity)
 
 
-def _replay_layer(
-    uses: list[list[int]], preds: list | None, phases: list[int], pol: ReplacementPolicy, buffer: int = 0
-) -> dict[str, int]:
-    """Replay one layer's uses (``uses[t]`` = ids) through ``pol``; returns the raw counts.
+class _Landed:
+    """The instant driver of the cache: every transfer has landed when `submit` returns."""
 
-    ``buffer``: staging slots for prefetched experts that the cache could not take; they are
-    resident for this token's use only (the runtime's prefetch buffers), then dropped.
-    """
-    hits, n = [0, 0], [0, 0]
-    demand = pf_loads = pf_useful = pf_wasted = 0
-    pending: set[int] = set()  # prefetched, not yet used
-    admit, access = pol.admit, pol.access
+    def __init__(self):
+        self.loads = [0, 0]  # (prefetch, demand) transfers
+
+    def submit(self, m, e, slot, urgent, reason):
+        self.loads[urgent] += 1
+        return True
+
+    def cancel(self, handle) -> bool:
+        return False
+
+    def poll(self, handle) -> bool:
+        return True
+
+    def wait(self, m, e, handle) -> bool:
+        return True
+
+    def reload(self, m, e, slot, reason) -> None:  # pragma: no cover - nothing fails here
+        raise RuntimeError("an instant transfer cannot fail")
+
+    def capacity(self, m):
+        return None
+
+
+def _replay_layer(
+    uses: list[list[int]], preds: list | None, phases: list[int], pol: ReplacementPolicy, buffer: int = 0,
+    top_k: int = 1, admit_prefetch: str = "on_load",
+) -> dict[str, int]:
+    """Replay one layer's uses (``uses[t]`` = ids, in the router's order) through one ExpertCache."""
+    link = _Landed()
+    cap = pol.capacity
+    cache = ExpertCache([cap], lambda m, c: pol, max(1, top_k), buffer, link, admit_on_use=admit_prefetch == "on_use")
+    layer = cache.layers[0]
+    stats = cache.stats[0]
     tick = getattr(pol, "at", None)
+    begin, acquire, done, prefetch = cache.begin, cache.acquire, cache.done, cache.prefetch
     for t, need in enumerate(uses):
         if tick is not None:
             tick(t)
-        staged: set[int] = set()
-        if preds is not None:
-            p = preds[t]
-            if p:
-                prot = frozenset(p)
-                for e in p:
-                    if e in pol:
-                        continue
-                    v = admit(e, prot)
-                    if v == e:  # did not fit the cache: a staging slot, if one is free, else nothing moves
-                        if len(staged) < buffer:
-                            staged.add(e)
-                            pf_loads += 1
-                        continue
-                    pf_loads += 1
-                    pending.add(e)
-                    if v is not None and v in pending:
-                        pending.discard(v)
-                        pf_wasted += 1
-        ph = phases[t]
-        prot = frozenset(need)
-        for e in need:
-            n[ph] += 1
-            if e in staged:  # prefetched into a staging slot in time
-                hits[ph] += 1
-                pf_useful += 1
-                staged.discard(e)
-            elif e in pol:
-                hits[ph] += 1
-                access(e)
-                if e in pending:
-                    pending.discard(e)
-                    pf_useful += 1
-            else:
-                demand += 1
-                v = admit(e, prot)
-                if v is not None and v != e and v in pending:
-                    pending.discard(v)
-                    pf_wasted += 1
-        pf_wasted += len(staged)  # staged but not used by this token
+        cache.phase = PHASES[phases[t]]
+        if preds is not None and preds[t]:
+            prefetch(0, preds[t])
+        elif preds is not None:
+            layer.prediction = None
+        order = begin(0, list(dict.fromkeys(need)))
+        for e in order:
+            acquire(0, e)
+            done(0, e)
+        cache.end(0)
+    p, d = stats["prefill"], stats["decode"]
     return {
-        "uses": n[0] + n[1], "hits": hits[0] + hits[1],
-        "uses_prefill": n[0], "hits_prefill": hits[0], "uses_decode": n[1], "hits_decode": hits[1],
-        "demand_loads": demand, "prefetch_loads": pf_loads, "prefetch_useful": pf_useful,
-        "prefetch_wasted": pf_wasted, "prefetch_unused_at_end": len(pending),
+        "uses": p.uses + d.uses, "hits": p.hits + d.hits,
+        "uses_prefill": p.uses, "hits_prefill": p.hits, "uses_decode": d.uses, "hits_decode": d.hits,
+        "demand_loads": link.loads[1], "prefetch_loads": link.loads[0],
+        "prefetch_useful": p.prefetch_useful + d.prefetch_useful,
+        "prefetch_wasted": p.prefetch_wasted + d.prefetch_wasted,
     }
 
 
@@ -147,11 +152,23 @@ class ReplayResult:
         return self.overall["hit_rate"]
 
 
-def _prepare(experts: Tensor, predictions: Predictions | None, phase: Tensor | None):
+def _prepare(experts, predictions: Predictions | None, phase):
+    """(uses per layer, predictions per layer, phase per token, L, k, phase given?) from a Trace or a tensor."""
+    from fate_lab.trace import Trace
+
+    if isinstance(experts, Trace):
+        phase = experts.phase if phase is None else phase
+        experts = experts.experts
     ex = torch.as_tensor(experts)
     if ex.dim() != 3:
         raise ValueError(f"experts must be [N, L, k], got shape {tuple(ex.shape)}")
-    N, L, _ = ex.shape
+    if ex.is_floating_point():
+        raise TypeError(f"expert ids must be integers, got dtype {ex.dtype}")
+    N, L, k = ex.shape
+    if isinstance(phase, str):
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r}: give 'prefill', 'decode', or one 0/1 per token")
+        phase = torch.full((N,), PHASES.index(phase))
     rows = ex.tolist()
     uses = [[rows[t][l] for t in range(N)] for l in range(L)]
     preds = None
@@ -160,7 +177,20 @@ def _prepare(experts: Tensor, predictions: Predictions | None, phase: Tensor | N
             raise ValueError(f"predictions has {len(predictions)} tokens, the trace {N}")
         preds = [[predictions[t][l] for t in range(N)] for l in range(L)]
     phases = [1] * N if phase is None else [int(p) for p in torch.as_tensor(phase).tolist()]
-    return uses, preds, phases, L
+    if len(phases) != N or any(p not in (0, 1) for p in phases):
+        raise ValueError(f"phase must hold one 0 (prefill) or 1 (decode) per token ({N} tokens)")
+    return uses, preds, phases, L, k, phase is not None
+
+
+def _slots(slots_per_layer, L: int) -> list[int]:
+    if isinstance(slots_per_layer, int) and not isinstance(slots_per_layer, bool):
+        slots_per_layer = [slots_per_layer] * L
+    slots = list(slots_per_layer)
+    if len(slots) != L:
+        raise ValueError(f"slots_per_layer has {len(slots)} entries for {L} layers")
+    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in slots):
+        raise ValueError(f"slots_per_layer must hold non-negative ints, got {slots}")
+    return slots
 
 
 def _combine(layer_counts: list[dict], slots: list[int], expert_bytes: int, has_phase: bool) -> ReplayResult:
@@ -171,15 +201,16 @@ def _combine(layer_counts: list[dict], slots: list[int], expert_bytes: int, has_
 
 
 def replay(
-    experts: Tensor,
+    experts,
     *,
-    slots_per_layer: Sequence[int],
+    slots_per_layer: Sequence[int] | int,
     policy: PolicySpec = "lru",
     predictions: Predictions | None = None,
     phase: Tensor | None = None,
     expert_bytes: int = 1,
     policy_kw: dict | None = None,
     prefetch_buffer: int = 0,
+    admit_prefetch: str = "on_load",
 ) -> ReplayResult:
     """Replay a routing trace through per-layer caches (semantics in the module docstring).
 
@@ -189,20 +220,19 @@ def replay(
     ``prefetch_buffer``: staging slots per layer for predicted experts the cache cannot take
     (the runtime keeps ``top_k`` of them when it prefetches; 0 = the cache only).
     """
-    uses, preds, phases, L = _prepare(experts, predictions, phase)
-    if len(slots_per_layer) != L:
-        raise ValueError(f"slots_per_layer has {len(slots_per_layer)} entries for {L} layers")
+    uses, preds, phases, L, k, has_phase = _prepare(experts, predictions, phase)
+    slots = _slots(slots_per_layer, L)
     kw = policy_kw or {}
     counts = [
         _replay_layer(uses[l], None if preds is None else preds[l], phases, _make_policy(policy, s, uses[l], kw),
-                      prefetch_buffer)
-        for l, s in enumerate(slots_per_layer)
+                      prefetch_buffer, k, admit_prefetch)
+        for l, s in enumerate(slots)
     ]
-    return _combine(counts, list(slots_per_layer), expert_bytes, phase is not None)
+    return _combine(counts, slots, expert_bytes, has_phase)
 
 
 def sweep(
-    experts: Tensor,
+    experts,
     *,
     boundaries: Sequence[int],
     budgets: Sequence[int],
@@ -214,6 +244,7 @@ def sweep(
     allocation: Callable[[int], object] = ShallowFavoringAllocation,
     policy_kw: dict | None = None,
     prefetch_buffer: int = 0,
+    admit_prefetch: str = "on_load",
 ) -> dict[str, list]:
     """Replay every (shallow boundary L, cache_total) pair; columns of a table (``pd.DataFrame(out)``).
 
@@ -221,7 +252,7 @@ def sweep(
     shallow-favoring one by default). Layer results are cached per (layer, slots), so the grid
     costs at most ``num_layers * (num_experts + 1)`` layer replays.
     """
-    uses, preds, phases, L = _prepare(experts, predictions, phase)
+    uses, preds, phases, L, top_k, has_phase = _prepare(experts, predictions, phase)
     kw = policy_kw or {}
     memo: dict[tuple[int, int], dict] = {}
     cols: dict[str, list] = {k: [] for k in ("boundary", "cache_total", "slots", "hit_rate", "hit_rate_prefill",
@@ -236,9 +267,9 @@ def sweep(
                 if (l, s) not in memo:
                     pol = _make_policy(policy, s, uses[l], kw)
                     memo[(l, s)] = _replay_layer(uses[l], None if preds is None else preds[l], phases, pol,
-                                                 prefetch_buffer)
+                                                 prefetch_buffer, top_k, admit_prefetch)
                 counts.append(memo[(l, s)])
-            r = _combine(counts, slots, expert_bytes, phase is not None).overall
+            r = _combine(counts, slots, expert_bytes, has_phase).overall
             cols["boundary"].append(b)
             cols["cache_total"].append(budget)
             cols["slots"].append(slots)
@@ -248,26 +279,27 @@ def sweep(
 
 
 def miss_curves(
-    experts: Tensor,
+    experts,
     num_experts: int,
     *,
     policy: PolicySpec = "lru",
     predictions: Predictions | None = None,
     policy_kw: dict | None = None,
     prefetch_buffer: int = 0,
+    admit_prefetch: str = "on_load",
 ) -> list[list[int]]:
     """``curves[l][c]`` = misses of layer l with c slots (c = 0..E), prefetching included.
 
     Feed to ``allocation.MissCurveAllocation`` to allocate for the policy and predictor in use.
     """
-    uses, preds, phases, L = _prepare(experts, predictions, None)
+    uses, preds, phases, L, k, _ = _prepare(experts, predictions, None)
     kw = policy_kw or {}
     curves = []
     for l in range(L):
         curve = []
         for c in range(num_experts + 1):
             r = _replay_layer(uses[l], None if preds is None else preds[l], phases, _make_policy(policy, c, uses[l], kw),
-                              prefetch_buffer)
+                              prefetch_buffer, k, admit_prefetch)
             curve.append(r["uses"] - r["hits"])
         curves.append(curve)
     return curves

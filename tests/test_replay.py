@@ -1,6 +1,4 @@
 """Cache replay: hand-counted hits, compulsory misses, Belady as a lower bound, sweep speed."""
-import time
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -24,7 +22,6 @@ def test_replay_with_prefetch_by_hand():
     o = r.overall
     assert (o["uses"], o["hits"], o["misses"]) == (6, 4, 2)
     assert (o["demand_loads"], o["prefetch_loads"], o["prefetch_useful"], o["prefetch_wasted"]) == (2, 2, 1, 1)
-    assert o["prefetch_unused_at_end"] == 0
     assert (o["bytes_on_demand"], o["bytes_prefetch"], o["bytes_moved"]) == (20, 20, 40)
     assert o["hit_rate"] == pytest.approx(4 / 6)
     assert o["hit_rate_prefill"] == pytest.approx(1 / 2)  # t0: layer 0 miss, layer 1 hit
@@ -36,8 +33,9 @@ def test_replay_with_prefetch_by_hand():
 def test_prefetch_does_not_evict_its_own_set_and_skips_what_does_not_fit():
     ex = torch.tensor([[[5]]])
     r = replay(ex, slots_per_layer=[2], policy="lru", predictions=[[[1, 2, 5]]])
-    # 1 and 2 fill both slots; 5 cannot evict them (same predicted set): skipped, then 5 misses
-    assert (r.overall["prefetch_loads"], r.overall["misses"], r.overall["prefetch_unused_at_end"]) == (2, 1, 1)
+    # 1 and 2 fill both slots; 5 cannot evict them (same predicted set): skipped, then 5 misses;
+    # the token used neither 1 nor 2: both prefetches were wasted (the runtime's definition)
+    assert (r.overall["prefetch_loads"], r.overall["misses"], r.overall["prefetch_wasted"]) == (2, 1, 2)
 
 
 def test_replay_without_phase_reports_none():
@@ -108,9 +106,13 @@ def test_predictions_from_rule():
 def test_miss_curves_match_lru_stack_distances():
     g = torch.Generator().manual_seed(1)
     ex = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(240)]).reshape(80, 3, 2)
-    # the stack-distance curve is exact for capacity >= k (=2)
+    # the stack-distance curve updates recency in the input order; the replay (the runtime's order)
+    # touches a token's hits before its misses, so curves agree exactly at 0 slots and at E slots and
+    # within a few misses in between (an approximation, documented in lru_miss_curves)
     a, b = miss_curves(ex, 8), lru_miss_curves(ex, 8)
-    assert [c[2:] for c in a] == [c[2:] for c in b]
+    for ca, cb in zip(a, b):
+        assert ca[0] == cb[0] and ca[-1] == cb[-1]
+        assert all(abs(x - y) <= 0.02 * 160 for x, y in zip(ca[2:], cb[2:]))
 
 
 def _skewed_trace(N, L, k, E, seed=0):
@@ -119,19 +121,16 @@ def _skewed_trace(N, L, k, E, seed=0):
     return torch.stack([torch.multinomial(pop[l].expand(N, E), k, generator=g) for l in range(L)], 1)
 
 
-def test_sweep_matches_replay_and_is_fast():
+def test_sweep_matches_replay():
     torch.manual_seed(0)
     N, L, k, E = 2000, 8, 4, 60
     ex = _skewed_trace(N, L, k, E)
     scores = torch.softmax(torch.randn(N, L - 1, E) + 3 * torch.nn.functional.one_hot(ex[:, 1:, 0], E), -1)
     preds = predictions_from_rule(scores, TopKPlus(4, 1))
     phase = (torch.arange(N) % 10 != 0).long()
-    t = time.perf_counter()
     out = sweep(ex, boundaries=range(10), budgets=[24 * i for i in range(1, 11)], num_experts=E, policy="arc",
                 predictions=preds, phase=phase)
-    elapsed = time.perf_counter() - t
-    assert len(out["hit_rate"]) == 100
-    assert elapsed < 30, f"10x10 sweep took {elapsed:.1f}s"
+    assert len(out["hit_rate"]) == 100  # speed: benchmarks/bench_replay.py, not asserted here
     i = 37  # boundary 3, budget 24 * 8
     slots = ShallowFavoringAllocation(3).allocate(192, L, E)
     r = replay(ex, slots_per_layer=slots, policy="arc", predictions=preds, phase=phase)
@@ -151,3 +150,45 @@ def test_prefetch_buffer_stages_what_the_cache_cannot_take():
     assert r.overall["demand_loads"] == 1
     r0 = replay(experts, slots_per_layer=[0], policy="lru", predictions=preds)  # no buffer: nothing lands
     assert (r0.overall["hits"], r0.overall["prefetch_loads"]) == (0, 0)
+
+
+def test_replay_accepts_a_trace_an_int_slot_count_and_a_phase_name():
+    from fate_lab.trace import from_routing_array
+
+    ex = torch.tensor([[[0, 1]], [[1, 2]], [[0, 1]]])
+    tr = from_routing_array(ex, num_experts=3, phase=[0, 1, 1])
+    a = replay(tr, slots_per_layer=2, policy="lru")
+    b = replay(ex, slots_per_layer=[2], policy="lru", phase=torch.tensor([0, 1, 1]))
+    assert a.overall == b.overall and a.overall["hit_rate_prefill"] == 0.0
+    assert replay(ex, slots_per_layer=2, phase="decode").overall["uses_prefill"] == 0
+    with pytest.raises(ValueError, match="phase"):
+        replay(ex, slots_per_layer=2, phase="warmup")
+    with pytest.raises(ValueError, match="slots_per_layer"):
+        replay(ex, slots_per_layer=[2, 2])
+
+
+def test_replay_follows_the_runtime_order_hits_before_misses():
+    """Token 2 uses (2, 0): 0 is resident, 2 is not. The runtime computes the hit first, so LRU sees
+    0 touched before 2 is admitted; with 2 slots the victim of 2 is then 1, not 0 (hand count)."""
+    ex = torch.tensor([[[0, 1]], [[2, 0]], [[0, 1]]])
+    r = replay(ex, slots_per_layer=[2], policy="lru")
+    # t0: 0, 1 miss. t1: 0 hit (touched), 2 misses and evicts 1. t2: 0 hit, 1 misses.
+    assert (r.overall["hits"], r.overall["misses"]) == (2, 4)
+
+
+def test_replay_equals_the_simulator_on_an_instant_link():
+    """Two drivers of one cache: the per-layer replay and the multi-layer simulator agree on decode."""
+    from fate_lab.config import OffloadConfig
+    from fate_lab.simulate import COMPUTE_PROFILES, Hardware, ModelShape, simulate
+    from fate_lab.trace import from_routing_array
+
+    torch.manual_seed(3)
+    N, L, k, E = 300, 4, 2, 8
+    tr = from_routing_array(_skewed_trace(N, L, k, E, seed=3), num_experts=E)
+    shape = ModelShape(L, L, E, k, 8, 8, torch.float32, 0, 0)
+    for name in ("lru", "arc", "lfu"):
+        cfg = OffloadConfig(name, slots=10, predictor=None, allocation="uniform", replacement=name)
+        sim = simulate(tr, cfg, Hardware(COMPUTE_PROFILES["qwen15_moe_rtx3090"], None), shape)
+        rep = replay(tr, slots_per_layer=sim.slots_per_layer, policy=name)
+        assert [s["decode"].hits for s in sim.stats.layers] == [p["hits"] for p in rep.per_layer], name
+        assert [s["decode"].misses for s in sim.stats.layers] == [p["demand_loads"] for p in rep.per_layer], name
