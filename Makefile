@@ -1,18 +1,26 @@
-# fate_lab task runner. Every target is idempotent and fast on a second run.
+# fate_lab task runner. Every target is idempotent and fast on a second run; `make` lists them.
 # CPU machines get torch==2.13.0; on a GPU machine run `make setup TORCH=` after installing
-# your CUDA torch into .venv (see README).
-PY      ?= python3
-VENV    ?= .venv
-TORCH   ?= torch==2.13.0
-BIN      = $(VENV)/bin
-STAMP    = $(VENV)/.fate_lab-installed
+# your CUDA torch into .venv (see README). Elsewhere, `make setup TORCH_INDEX=<url>` takes torch
+# from that index, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU-only build.
+# (To reinstall with other TORCH/TORCH_INDEX values, delete .venv/.fate_lab-installed first.)
+PY          ?= python3
+VENV        ?= .venv
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?=
+BIN          = $(VENV)/bin
+STAMP        = $(VENV)/.fate_lab-installed
 
-.PHONY: setup main test lab trace clean-notebooks check-notebooks
+.DEFAULT_GOAL := help
+.PHONY: help setup main test lab check-notebooks
+
+help:  ## list the targets (this text)
+	@echo "usage: make <target> [PY=python3] [TORCH=torch==2.13.0] [TORCH_INDEX=<pip index url>]"
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	if [ -n "$(TORCH)" ]; then $(BIN)/python -m pip install -q "$(TORCH)"; fi
+	if [ -n "$(TORCH)" ]; then $(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH)"; fi
 	$(BIN)/python -m pip install -q -e ".[notebooks,test]"
 	touch $(STAMP)
 

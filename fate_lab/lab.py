@@ -1,13 +1,15 @@
 """Notebook conveniences: load the model a notebook names, get (and cache) its trace, build tables.
 
 What it is: the few calls every numbered notebook starts with, so notebooks stay thin:
-``lab.load(MODEL)``, ``lab.get_trace(MODEL, fast=FAST)``, ``lab.paper_table(rows)``.
+``FAST = lab.fast_mode(FAST)``, ``lab.load(MODEL)``, ``lab.get_trace(MODEL, fast=FAST)``,
+``lab.paper_table(rows)``.
 What it is not: analysis (``analysis``, ``predictors``, ``replay``) or plotting (``plots``).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -21,6 +23,24 @@ TRACE_SIZES = {True: {"prompts": 2, "decode_tokens": 12, "prompt_chars": 200},
                False: {"prompts": 16, "decode_tokens": 96, "prompt_chars": 400}}
 
 _loaded: dict = {}
+
+# FATE_LAB_FAST=1 (or true/yes/on) forces FAST mode whatever a notebook's FAST parameter says.
+FAST_ENV = "FATE_LAB_FAST"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def fast_mode(FAST: bool) -> bool:
+    """The FAST flag a notebook runs with: its parameter, or True when ``FATE_LAB_FAST`` says so.
+
+    The environment can only switch FAST mode on (``FATE_LAB_FAST=0`` or unset leaves the
+    parameter as it is); a value that is neither true nor false is refused rather than guessed.
+    """
+    raw = os.environ.get(FAST_ENV, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw not in _FALSE:
+        raise ValueError(f"{FAST_ENV}={os.environ[FAST_ENV]!r}: use 1 (fast) or 0 (as the FAST parameter says)")
+    return bool(FAST)
 
 
 def model_path(model: str | Path | None) -> Path:
@@ -75,9 +95,28 @@ def get_trace(model: str | Path | None = None, fast: bool = False, cache: bool =
     return trace
 
 
-def paper_table(rows: list[tuple[str, str, str, str]]) -> pd.DataFrame:
-    """The closing table of a notebook: (quantity, paper's number, ours, agreement sentence)."""
-    return pd.DataFrame(rows, columns=["quantity", "paper (Qwen1.5-MoE)", "ours", "agreement"])
+class PaperTable(pd.DataFrame):
+    """A DataFrame whose text and HTML displays keep every cell's full text.
+
+    pandas cuts cells at ``display.max_colwidth`` (50 characters) in both reprs, which cuts the
+    agreement sentences; this table lifts that limit for its own display only (the option is
+    unchanged for every other table), and its text form is the whole table (``to_string``)
+    rather than one that elides columns to fit a console. Anything derived from it is a plain
+    DataFrame again.
+    """
+
+    def __repr__(self) -> str:
+        # to_string neither cuts cells nor elides columns to fit a console's width
+        return self.to_string()
+
+    def _repr_html_(self) -> str | None:
+        with pd.option_context("display.max_colwidth", None):
+            return super()._repr_html_()
+
+
+def paper_table(rows: list[tuple[str, str, str, str]]) -> PaperTable:
+    """The closing table of a notebook: (quantity, paper's number, ours, agreement sentence), uncut."""
+    return PaperTable(rows, columns=["quantity", "paper (Qwen1.5-MoE)", "ours", "agreement"])
 
 
 def fmt_pct(x: float) -> str:

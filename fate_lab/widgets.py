@@ -16,18 +16,29 @@ from fate_lab.replay import miss_curves, predictions_from_rule, replay, sweep
 from fate_lab.trace import Trace
 from fate_lab.trace import cross_layer_scores as trace_scores
 
-# Rule choices shown to a reader: (label, rule name, parameter name, default, (min, max, step)).
+# Rule choices shown to a reader: label -> (rule name, parameter name, default, (min, max, step)).
+# An int default marks an integer parameter (IntSlider), a float one a real parameter
+# (FloatSlider); a max of None is bounded by the trace (see ``rule_parameter``).
 RULE_CHOICES = {
     "top-k": ("topk", None, None, None),
-    "top-(k+α)": ("topk_plus", "alpha", 1, (0, 16, 1)),
+    "top-(k+α)": ("topk_plus", "alpha", 1, (0, None, 1)),
     "percentile (paper: q=75)": ("percentile", "q", 75.0, (50.0, 99.0, 1.0)),
     "cumulative probability": ("cumulative", "p", 0.9, (0.5, 0.99, 0.01)),
-    "count budget": ("budget", "n", 8, (1, 64, 1)),
+    "count budget": ("budget", "n", 8, (1, None, 1)),
 }
+
+# Each parameter as the explorer labels it (what it is, with its unit), and as a plot title shows it.
+PARAM_LABELS = {"alpha": "extra experts α", "q": "percentile q (%)", "p": "cumulative mass p",
+                "n": "experts per layer n"}
+_PARAM_CAPTIONS = {"alpha": "α = {:d}", "q": "q = {:g}%", "p": "p = {:.2f}", "n": "n = {:d} experts"}
 
 
 def make_rule(trace: Trace, label: str, value=None) -> P.SelectionRule:
-    """The selection rule a reader picked by label, with its parameter (k comes from the trace)."""
+    """The selection rule a reader picked by label, with its parameter (k comes from the trace).
+
+    ``value`` None takes the rule's default; an integer parameter (α, n) refuses a fractional value
+    rather than truncating it.
+    """
     if label not in RULE_CHOICES:
         raise ValueError(f"unknown rule {label!r}; choose one of {list(RULE_CHOICES)}")
     name, param, default, _ = RULE_CHOICES[label]
@@ -36,8 +47,62 @@ def make_rule(trace: Trace, label: str, value=None) -> P.SelectionRule:
         kwargs["k"] = trace.top_k
     if param is not None:
         v = default if value is None else value
-        kwargs[param] = int(v) if isinstance(default, int) else float(v)
+        if isinstance(default, int):
+            if float(v) != int(v):
+                raise ValueError(f"{label}: {PARAM_LABELS[param]} must be a whole number, got {v!r}")
+            kwargs[param] = int(v)
+        else:
+            kwargs[param] = float(v)
     return P.rule_from_name(name, **kwargs)
+
+
+def rule_parameter(trace: Trace, label: str) -> dict | None:
+    """The slider of a rule's parameter on this trace; None when the rule has none (top-k).
+
+    Keys: ``param``, ``kind`` ('int' or 'float'), ``description`` (with its unit), ``min``,
+    ``max``, ``step``, ``value`` (the default, inside the bounds) and ``readout_format``. The
+    count budget goes up to the trace's number of experts E, the extra experts α up to E - k.
+    """
+    if label not in RULE_CHOICES:
+        raise ValueError(f"unknown rule {label!r}; choose one of {list(RULE_CHOICES)}")
+    _, param, default, rng = RULE_CHOICES[label]
+    if param is None:
+        return None
+    lo, hi, step = rng
+    if hi is None:
+        hi = trace.num_experts - (trace.top_k if param == "alpha" else 0)
+    kind = "int" if isinstance(default, int) else "float"
+    return {"param": param, "kind": kind, "description": PARAM_LABELS[param], "min": lo, "max": hi, "step": step,
+            "value": min(max(default, lo), hi),
+            "readout_format": "d" if kind == "int" else (".0f" if step >= 1 else ".2f")}
+
+
+def rule_caption(trace: Trace, label: str, value=None) -> str:
+    """A rule and its parameter as a plot title names them, e.g. ``count budget, n = 4 experts``."""
+    name, param, default, _ = RULE_CHOICES[label]
+    parts = [label.split(" (")[0]]
+    if name in ("topk", "topk_plus"):
+        parts.append(f"k = {trace.top_k}")
+    if param is not None:
+        v = default if value is None else value
+        parts.append(_PARAM_CAPTIONS[param].format(int(v) if isinstance(default, int) else float(v)))
+    return ", ".join(parts)
+
+
+def _set_bounds(slider, lo, hi, step, value) -> None:
+    """Move a slider to ``[lo, hi]`` and ``value`` without ever having min > max on the way.
+
+    ipywidgets refuses ``min > max`` (``TraitError``) and clamps ``value`` into the bounds at each
+    step, so the bound on the side the range moves to is set first.
+    """
+    if lo > slider.max:  # moving up: raise max first, then min
+        slider.max = hi
+        slider.min = lo
+    else:  # moving down or overlapping: lower min first, then max
+        slider.min = lo
+        slider.max = hi
+    slider.step = step
+    slider.value = value
 
 
 _scores_cache: dict[int, torch.Tensor] = {}
@@ -64,43 +129,74 @@ def prefetch_table(trace: Trace, label: str = "percentile (paper: q=75)", value=
 
 
 def prefetch_explorer(trace: Trace):
-    """Dropdown (rule) + slider (its parameter) -> per-layer recall/precision/set-size plot and table."""
+    """Dropdown (rule) + slider (its parameter) -> per-layer recall/precision/set-size plot and table.
+
+    Integer parameters (α, n) get an IntSlider, real ones (q, p) a FloatSlider; only the current
+    rule's slider is shown (top-k has none: k is the model's), with bounds from ``rule_parameter``.
+    Errors while redrawing show in the output area. The returned box's ``rendered`` dict holds
+    what was drawn last (``rule``, ``title``, ``table``), so it can be checked without a browser.
+    """
     import ipywidgets as W
+    import matplotlib.pyplot as plt
     from IPython.display import display
 
     from fate_lab import plots
 
+    style = {"description_width": "initial"}
     rule = W.Dropdown(options=list(RULE_CHOICES), value="percentile (paper: q=75)", description="rule")
-    value = W.FloatSlider(description="parameter", continuous_update=False)
+    int_value = W.IntSlider(description="parameter", continuous_update=False, style=style)
+    float_value = W.FloatSlider(description="parameter", continuous_update=False, style=style)
+    k_note = W.Label(f"k = {trace.top_k} (the model's top-k)")
     phase = W.ToggleButtons(options=["decode", "prefill"], value="decode", description="phase")
     out = W.Output()
+    box = W.VBox([W.HBox([rule, int_value, float_value, k_note, phase]), out])
+    box.rendered = {}
+    syncing = False  # True while the sliders are moved to a new rule: their changes do not redraw
 
-    def _sync_slider(*_):
-        _, param, default, rng = RULE_CHOICES[rule.value]
-        value.disabled = param is None
-        if rng:
-            value.min, value.max, value.step = rng[0], rng[1], rng[2]
-            value.value = default
-            value.description = param
+    def _active():
+        spec = rule_parameter(trace, rule.value)
+        return spec, (None if spec is None else int_value if spec["kind"] == "int" else float_value)
 
-    def _draw(*_):
-        with out:
+    def _sync_slider():
+        spec, active = _active()
+        for s in (int_value, float_value):
+            s.layout.display = None if s is active else "none"
+        k_note.layout.display = None if RULE_CHOICES[rule.value][0] in ("topk", "topk_plus") else "none"
+        if active is not None:
+            active.description = spec["description"]
+            active.readout_format = spec["readout_format"]
+            _set_bounds(active, spec["min"], spec["max"], spec["step"], spec["value"])
+
+    def _draw():
+        _, active = _active()
+        v = None if active is None else active.value
+        df = prefetch_table(trace, rule.value, v, phase.value)
+        title = (f"{rule_caption(trace, rule.value, v)} ({phase.value}): mean set size "
+                 f"{df['mean_set_size'].mean():.1f} of {trace.num_experts} experts")
+        long = df.melt(id_vars=["layer"], value_vars=["recall", "precision"], var_name="metric")
+        fig = plots.per_layer_lines(long, "value", hue="metric", ylabel="fraction", ylim=(0, 1.02), title=title)
+        plt.show()
+        plt.close(fig)
+        display(df.round(3))
+        box.rendered = {"rule": make_rule(trace, rule.value, v), "title": title, "table": df}
+
+    def _update(sync: bool = False):
+        nonlocal syncing
+        with out:  # in a kernel, an error here shows in the output area instead of the kernel log
             out.clear_output(wait=True)
-            df = prefetch_table(trace, rule.value, value.value, phase.value)
-            long = df.melt(id_vars=["layer"], value_vars=["recall", "precision"], var_name="metric")
-            plots.per_layer_lines(long, "value", hue="metric", ylabel="fraction", ylim=(0, 1.02),
-                                  title=f"{df['rule'][0]} ({phase.value}); mean set size "
-                                        f"{df['mean_set_size'].mean():.1f} of {trace.num_experts}")
-            import matplotlib.pyplot as plt
-            plt.show()
-            display(df.round(3))
+            if sync:
+                syncing = True
+                try:
+                    _sync_slider()
+                finally:
+                    syncing = False
+            _draw()
 
-    rule.observe(lambda ch: (_sync_slider(), _draw()), names="value")
-    value.observe(_draw, names="value")
-    phase.observe(_draw, names="value")
-    _sync_slider()
-    _draw()
-    return W.VBox([W.HBox([rule, value, phase]), out])
+    rule.observe(lambda _: _update(sync=True), names="value")
+    for w in (int_value, float_value, phase):
+        w.observe(lambda _: None if syncing else _update(), names="value")
+    _update(sync=True)
+    return box
 
 
 PREDICTOR_CHOICES = ("none (cache only)", "cross-layer top-k", "cross-layer percentile 75", "oracle")

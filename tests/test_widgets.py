@@ -67,3 +67,88 @@ def test_explorers_build_without_a_browser(hand_trace):
     assert len(box.children) == 2
     box = widgets.cache_explorer(hand_trace)
     assert len(box.children) == 3
+
+
+# --- the prefetch explorer, driven in plain Python (ipywidgets objects work without a browser)
+
+def _controls(box):
+    """The explorer's rule dropdown, and the sliders and labels a reader sees (display not 'none')."""
+    import ipywidgets as W
+
+    row = box.children[0].children
+    dropdown = next(w for w in row if isinstance(w, W.Dropdown))
+    sliders = [w for w in row if isinstance(w, (W.IntSlider, W.FloatSlider)) and w.layout.display != "none"]
+    labels = [w for w in row if isinstance(w, W.Label) and w.layout.display != "none"]
+    return dropdown, sliders, labels
+
+
+# label -> (slider class name, min, max, value, words the slider's label must hold) on the hand trace (E=4, k=1)
+EXPECTED_SLIDERS = {
+    "top-(k+α)": ("IntSlider", 0, 3, 1, "extra experts"),
+    "percentile (paper: q=75)": ("FloatSlider", 50.0, 99.0, 75.0, "percentile q (%)"),
+    "cumulative probability": ("FloatSlider", 0.5, 0.99, 0.9, "cumulative mass p"),
+    "count budget": ("IntSlider", 1, 4, 4, "experts per layer n"),
+}
+
+
+@pytest.mark.parametrize("path", [
+    ["cumulative probability", "count budget"],  # the reported TraitError: min 1 set above max 0.99
+    ["cumulative probability", "percentile (paper: q=75)", "cumulative probability"],
+    ["count budget", "cumulative probability", "top-k", "count budget", "top-(k+α)", "percentile (paper: q=75)"],
+], ids=["cumulative-to-budget", "percentile-roundtrip", "every-rule"])
+def test_explorer_switching_rules_sets_the_right_slider_and_draws_that_rule(hand_trace, path):
+    box = widgets.prefetch_explorer(hand_trace)
+    dropdown, _, _ = _controls(box)
+    for label in path:
+        dropdown.value = label  # raised TraitError (min > max) on the way, leaving the old rule drawn
+        _, sliders, labels = _controls(box)
+        if label == "top-k":
+            assert sliders == [] and [w.value for w in labels] == ["k = 1 (the model's top-k)"]
+            assert box.rendered["rule"] == widgets.make_rule(hand_trace, "top-k")
+            continue
+        kind, lo, hi, value, words = EXPECTED_SLIDERS[label]
+        assert len(sliders) == 1, f"{label}: one slider shown, got {sliders}"
+        s = sliders[0]
+        assert (type(s).__name__, s.min, s.max, s.value) == (kind, lo, hi, value), label
+        assert words in s.description
+        assert box.rendered["rule"] == widgets.make_rule(hand_trace, label, value)
+        assert box.rendered["title"].startswith(label.split(" (")[0])
+
+
+def test_explorer_count_budget_is_an_int_slider_up_to_the_number_of_experts(hand_trace):
+    box = widgets.prefetch_explorer(hand_trace)
+    dropdown, _, _ = _controls(box)
+    dropdown.value = "count budget"
+    _, (s,), _ = _controls(box)
+    assert type(s).__name__ == "IntSlider" and s.max == hand_trace.num_experts == 4
+    s.value = 2
+    assert box.rendered["rule"] == widgets.make_rule(hand_trace, "count budget", 2)
+    assert "n = 2 experts" in box.rendered["title"]
+    assert box.rendered["table"]["mean_set_size"].iloc[0] == pytest.approx(2.0)
+
+
+def test_explorer_draws_once_per_change(hand_trace, monkeypatch):
+    box = widgets.prefetch_explorer(hand_trace)
+    dropdown, _, _ = _controls(box)
+    calls = []
+    real = widgets.prefetch_table
+    monkeypatch.setattr(widgets, "prefetch_table", lambda *a, **kw: calls.append(a[1:]) or real(*a, **kw))
+    dropdown.value = "cumulative probability"  # 50..99 -> 0.5..0.99 clamps the value on the way
+    dropdown.value = "count budget"
+    assert calls == [("cumulative probability", 0.9, "decode"), ("count budget", 4, "decode")]
+
+
+def test_set_bounds_moves_either_way_without_min_above_max():
+    import ipywidgets as W
+
+    s = W.FloatSlider(min=0.5, max=0.99, value=0.9)
+    widgets._set_bounds(s, 50.0, 99.0, 1.0, 75.0)  # up past the old max
+    assert (s.min, s.max, s.value) == (50.0, 99.0, 75.0)
+    widgets._set_bounds(s, 0.5, 0.99, 0.01, 0.9)  # down below the old min
+    assert (s.min, s.max, s.value) == (0.5, 0.99, 0.9)
+
+
+def test_make_rule_refuses_a_fractional_count(hand_trace):
+    assert widgets.make_rule(hand_trace, "count budget", 3.0) == widgets.make_rule(hand_trace, "count budget", 3)
+    with pytest.raises(ValueError, match="whole number"):
+        widgets.make_rule(hand_trace, "count budget", 2.5)
