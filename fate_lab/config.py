@@ -38,6 +38,8 @@ class OffloadConfig:
     # if prefetching (the planner counts top_k demand slots + 2 pools)
     prefetch_budget: str = "link"  # "link": queue only what the link can start before the next layer
     # needs it (its window minus the queue already waiting); "all": the whole predicted set
+    prefetch_window: float = 1.0  # prefetch_budget="link": how many layer times ahead a transfer may
+    # still start (1: before the next layer; 2: also during it, landing for a later token's reuse)
     admit_prefetch: str = "on_use"  # "on_use": a prefetched expert waits in staging and enters the
     # cache when used; "on_load": it is admitted into the cache when queued (may evict)
     context_len: int = 512  # tokens of KV cache the budget must hold
@@ -46,6 +48,7 @@ class OffloadConfig:
     native_link: bool = False  # on CUDA: the real PCIe link instead of an emulated profile
     calibration_steps: int = 12  # decode steps timed to calibrate the scaled link
     layer_compute_s: float | None = None  # scaled link: the tiny model's layer time; None: calibrate now
+    transfer_timeout_s: float = 60.0  # longest wait for one expert before a clear TransferError
     timeline: bool = True  # record (kind, layer, expert, t_start, t_end) events
     timeline_max_events: int = 200_000
     quant: str | None = None  # quant.QuantPolicy preset ("fate", "int8", "int4", ...); None: full precision
@@ -75,6 +78,8 @@ class OffloadConfig:
             v = getattr(self, fld)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"OffloadConfig.{fld}={v!r}: give a non-negative int ({'bytes' if fld == 'budget' else 'expert slots'}) or None")
+        if not (isinstance(self.prefetch_window, (int, float)) and 0 < self.prefetch_window < float("inf")):
+            raise ValueError(f"OffloadConfig.prefetch_window={self.prefetch_window!r}: give a number of layer times > 0")
         if self.layer_compute_s is not None and not (isinstance(self.layer_compute_s, (int, float))
                                                      and 0 < self.layer_compute_s < float("inf")):
             raise ValueError(f"OffloadConfig.layer_compute_s={self.layer_compute_s!r}: give seconds > 0, or None "
@@ -97,9 +102,10 @@ _PRESETS: dict[str, OffloadConfig] = {
     # EAP baseline: expert-activation-path history predictor, LRU cache
     "activation_path": OffloadConfig("activation_path", predictor="activation_path", allocation="uniform",
                                      replacement="lru", prefetch_budget="all", admit_prefetch="on_load"),
-    # Fate: cross-layer gate + 75th-percentile expansion, shallow-favoring allocation, ARC, and the
-    # prefetch sized by the link (what it can start before the next layer needs it), admitted on use
-    "fate": OffloadConfig("fate"),
+    # Fate: cross-layer gate + 75th-percentile expansion, shallow-favoring allocation, ARC; prefetches
+    # wait in staging and enter the cache on use, at most what the link can start within 4 layer times
+    # (the variant the simulator's sweep over link speeds kept: benchmarks/results/prefetch_variants_*.md)
+    "fate": OffloadConfig("fate", prefetch_window=4.0),
     # Fate as the first version ran it: the whole percentile set queued and admitted into the cache
     "fate_v1": OffloadConfig("fate_v1", prefetch_budget="all", admit_prefetch="on_load"),
 }

@@ -52,9 +52,9 @@ def check_experts_module(mod: nn.Module) -> None:
             raise NotImplementedError(f"{type(mod).__name__}.{flag}={not want} is not supported by the runtime")
 
 
-def is_offloaded(adapter: MoEAdapter) -> bool:
+def is_offloaded(model: nn.Module) -> bool:
     """True if a runtime is attached to the model's experts right now."""
-    return any(hasattr(adapter.experts_module(m), "_fate_offloaded") for m in range(adapter.num_moe_layers))
+    return any(hasattr(mod, "_fate_offloaded") for mod in model.modules())
 
 
 def attach(adapter: MoEAdapter, runtime: object) -> str:

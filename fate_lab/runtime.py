@@ -45,7 +45,8 @@ from .slots import DeviceSlots, FullSlots, PackedSlots
 from .stats import PHASES, PhaseStats, RuntimeStats
 from .step import run_layer
 from .store import HostStore, QuantizedStore, RamStore, SafetensorsStore
-from .transfer import CudaCopyEngine, EmulatedLink, InstantLink, Transfer, TransferEngine, calibrate_layer_time
+from .transfer import (CudaCopyEngine, EmulatedLink, InstantLink, Transfer, TransferEngine, TransferError,
+                       calibrate_layer_time)
 
 __all__ = ["OffloadConfig", "Runtime", "offload", "calibrate_layer_time", "StepwiseForward", "spec_label"]
 
@@ -128,7 +129,8 @@ class EngineLink:
         if self.engine.link is None:
             return None
         spec = self.rt.spec(m, "prefetch")
-        return link_capacity(self.rt.window_s.get(self.rt.phase), self.engine.backlog_s(),
+        w = self.rt.window_s.get(self.rt.phase)
+        return link_capacity(None if w is None else w * self.rt.config.prefetch_window, self.engine.backlog_s(),
                              self.engine.link.transfer_time(self.engine.nbytes(m, 0, spec)))
 
 
@@ -139,10 +141,10 @@ class Runtime:
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate')), got {type(config).__name__}")
         self.model, self.config = model, config
+        if hookup.is_offloaded(model):
+            raise RuntimeError("this model is already offloaded by a Runtime; close() that one first")
         self.adapter: MoEAdapter = adapt(model)
         a = self.adapter
-        if hookup.is_offloaded(a):
-            raise RuntimeError("this model is already offloaded by a Runtime; close() that one first")
         self.device = a.experts_module(0).gate_up_proj.device
         self.dtype = a.experts_module(0).gate_up_proj.dtype
         for m in range(a.num_moe_layers):
@@ -283,7 +285,7 @@ class Runtime:
             return InstantLink(self.store, self.slots)
         if self.device.type == "cuda" and self.config.native_link:
             return CudaCopyEngine(self.store, self.slots)
-        return EmulatedLink(self.store, self.slots, self.link)
+        return EmulatedLink(self.store, self.slots, self.link, timeout_s=self.config.transfer_timeout_s)
 
     # --- hooks around each forward ------------------------------------------------------
     def _pre_forward(self, _module, args, kwargs) -> None:
@@ -357,8 +359,12 @@ class Runtime:
             return out
 
         low = self.quant.prefill_low_count if self.quant is not None and self.phase == "prefill" else None
-        run_layer(self.cache, self.predictor, m, idx_host, scores, compute, self.config.popularity_order, low,
-                  timed_predict)
+        try:
+            run_layer(self.cache, self.predictor, m, idx_host, scores, compute, self.config.popularity_order, low,
+                      timed_predict)
+        except TransferError:  # the link is gone: give the caller its model back, then fail loudly
+            self.close()
+            raise
         self.stats.layers[m][self.phase].compute_s += time.perf_counter() - t_call
         return weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # (T, H)
 

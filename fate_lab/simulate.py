@@ -54,6 +54,13 @@ class ComputeProfile:
     call_s: float  # the experts call's own bookkeeping (cache, routing ids to the host)
     predict_s: float  # host-side cross-layer prediction of one layer, one token
     predict_per_token_s: float = 0.0  # extra per additional token
+    expert_cold_s: float = 0.0  # extra for an expert whose bytes just landed (CPU emulation: they sit in
+    # the other core's cache; 0 on a GPU, where a kernel reads device memory either way)
+    landed_s: float = 0.0  # extra dense time per landed transfer (CPU emulation: the link's copies
+    # evict the dense weights from the shared caches; 0 on a GPU)
+    link_extra_s: float = 0.0  # an emulated transfer's overshoot beyond latency + bytes/bandwidth (sleep
+    # granularity of the worker thread); 0 for a real link
+    wake_s: float = 0.0  # from a transfer landing to the waiting compute thread running again
     source: str = ""
 
     def dense(self, T: int) -> float:
@@ -78,15 +85,15 @@ class ComputeProfile:
 COMPUTE_PROFILES: dict[str, ComputeProfile] = {
     "qwen15_moe_rtx3090": ComputeProfile("Qwen1.5-MoE-A2.7B fp16 on RTX 3090", 0.36e-3, 0.002e-3, 0.035e-3,
                                          0.0005e-3, 0.01e-3, 0.02e-3, 0.0,
-                                         "roofline + launch overhead estimate (see module comment)"),
+                                         source="roofline + launch overhead estimate (see module comment)"),
     "qwen15_moe_rtx4090": ComputeProfile("Qwen1.5-MoE-A2.7B fp16 on RTX 4090", 0.29e-3, 0.0015e-3, 0.028e-3,
-                                         0.0004e-3, 0.01e-3, 0.02e-3, 0.0, "RTX 3090 estimate x 0.8"),
+                                         0.0004e-3, 0.01e-3, 0.02e-3, 0.0, source="RTX 3090 estimate x 0.8"),
     "qwen15_moe_laptop4060": ComputeProfile("Qwen1.5-MoE-A2.7B fp16 on a laptop RTX 4060", 0.9e-3, 0.005e-3,
                                             0.09e-3, 0.001e-3, 0.01e-3, 0.03e-3, 0.0,
-                                            "RTX 3090 estimate x 2.5 (256 vs 936 GB/s)"),
+                                            source="RTX 3090 estimate x 2.5 (256 vs 936 GB/s)"),
     "qwen15_moe_orin": ComputeProfile("Qwen1.5-MoE-A2.7B fp16 on a Jetson AGX Orin (unified memory)", 1.8e-3,
                                       0.01e-3, 0.17e-3, 0.002e-3, 0.02e-3, 0.06e-3, 0.0,
-                                      "204.8 GB/s LPDDR5 at ~0.6 efficiency; ~5x the RTX 3090 estimate"),
+                                      source="204.8 GB/s LPDDR5 at ~0.6 efficiency; ~5x the RTX 3090 estimate"),
 }
 
 # Named setups: a compute profile and a link (links.LINK_PROFILES); experts read over that link.
@@ -172,9 +179,10 @@ class SimLink:
         self.sim, self.link = sim, link
         self.queue: list[_SimTransfer] = []  # not started, urgent ones first
         self.free_at = 0.0
+        self.fresh: set[tuple[int, int]] = set()  # (layer, expert) whose bytes landed since it last computed
 
     def _time(self, nbytes: int) -> float:
-        return 0.0 if self.link is None else self.link.transfer_time(nbytes)
+        return 0.0 if self.link is None else self.link.transfer_time(nbytes) + self.sim.hw.compute.link_extra_s
 
     def _start_next(self) -> None:
         x = self.queue.pop(0)
@@ -191,6 +199,8 @@ class SimLink:
     def _record(self, x: _SimTransfer) -> None:
         if not x.counted:
             x.counted = True
+            self.fresh.add((x.m, x.e))
+            self.sim.now += self.sim.hw.compute.landed_s
             self.sim.stats.layers[x.m][self.sim.phase].bytes_moved += x.nbytes
             self.sim.stats.moved[self.sim.phase, x.m, spec_label(x.spec)] += 1
 
@@ -227,9 +237,9 @@ class SimLink:
             self._start_next()
         w0 = self.sim.now
         if x.end > w0:
-            self.sim.now = x.end
-        self._record(x)
+            self.sim.now = x.end + self.sim.hw.compute.wake_s
         self.sim.stall(m, e, w0, self.sim.now)
+        self._record(x)
         return True
 
     def reload(self, m: int, e: int, slot: int, reason: str) -> None:  # pragma: no cover - nothing fails here
@@ -245,7 +255,8 @@ class SimLink:
         """Prefetches the link can start before layer m's call (the runtime's rule, simulated estimates)."""
         if self.link is None:
             return None
-        return link_capacity(self.sim.window_s.get(self.sim.phase), self.backlog_s(),
+        w = self.sim.window_s.get(self.sim.phase)
+        return link_capacity(None if w is None else w * self.sim.config.prefetch_window, self.backlog_s(),
                              self._time(self.sim.shape.nbytes(self.sim.spec(m, "prefetch"))))
 
 
@@ -339,9 +350,10 @@ class _Sim:
             idx = experts[:, m]  # (T, K)
             counts = Counter(idx.reshape(-1).tolist())
 
-            def compute(e: int, slot: int, n=counts) -> None:
+            def compute(e: int, slot: int, n=counts, m=m) -> None:
                 c0 = self.now
-                self.now += comp.expert(n[e])
+                self.now += comp.expert(n[e]) + (comp.expert_cold_s if (m, e) in self.link.fresh else 0.0)
+                self.link.fresh.discard((m, e))
                 self.event("compute", m, e, c0, self.now)
 
             def scores(m=m):
@@ -408,10 +420,13 @@ def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: Mod
 
 
 def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
-                      name: str = "this machine") -> ComputeProfile:
+                      name: str = "this machine", link: str | None = None,
+                      layer_compute_s: float | None = None) -> ComputeProfile:
     """A `ComputeProfile` measured from the runtime itself: every expert resident, instant link, timeline on.
 
     Decode figures are medians over the decode steps; prefill's per-token slopes come from the prompt.
+    With `link` (an emulated link name), a second run loads every expert on demand over it and
+    measures what the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`).
     """
     from .runtime import offload
 
@@ -446,6 +461,47 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     fwd = med(st.forward_s["decode"])
     dense_s = max(0.0, (fwd - call_total) / L)
     dense_tok = max(0.0, (pre_end - p.compute_s - L * dense_s) / max(1, L * (T - 1)))
-    return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok,
-                          f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime "
-                          f"(all resident, instant link, {new_tokens} tokens, quant={quant})")
+    cold = landed = extra = wake = 0.0
+    if link is not None:  # the same machine while an emulated link copies on the other core
+        cfg = OffloadConfig.preset("fate", link=link, layer_compute_s=layer_compute_s, quant=quant,
+                                   slots=M * rt.num_experts // 4)
+        with offload(model, cfg) as rt2:
+            model.generate(prompt_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            rt2.reset_stats()
+            model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            st2, tl2 = rt2.stats, rt2.stats.timeline
+        skip = st2.total("prefill").uses  # the prefill's compute events come first
+        fresh, warm_c, cold_c, pred2, seen = set(), [], [], [], 0
+        for kind, m, e, a0, a1 in tl2:
+            if kind in ("demand", "prefetch", "sync_load"):
+                fresh.add((m, e))
+            elif kind == "compute":
+                seen += 1
+                if seen > skip:
+                    (cold_c if (m, e) in fresh else warm_c).append(a1 - a0)
+                fresh.discard((m, e))
+            elif kind == "predict":
+                pred2.append(a1 - a0)
+        nominal = rt2.link.transfer_time(rt2.expert_bytes)
+        moves = [(m, e, a0, a1) for kind, m, e, a0, a1 in tl2 if kind in ("demand", "prefetch")]
+        extra = med([a1 - a0 - nominal for _, _, a0, a1 in moves])
+        landed_at: dict = {}
+        wakes = []
+        for kind, m, e, a0, a1 in tl2:
+            if kind in ("demand", "prefetch"):
+                landed_at[m, e] = a1
+            elif kind == "stall" and (m, e) in landed_at and landed_at[m, e] <= a1:
+                wakes.append(a1 - landed_at[m, e])
+        wake = med(wakes)
+        d2, n2 = st2.total("decode"), len(st2.forward_s["decode"])
+        expert_s = med(warm_c) or expert_s
+        cold = max(0.0, med(cold_c) - expert_s)
+        predict_s = med(pred2[M - 1:]) or predict_s
+        in_calls2 = (sum(warm_c) + sum(cold_c) + sum(pred2[M - 1:]) + d2.stall_s) / n2
+        call_s = max(0.0, (d2.compute_s / n2 - in_calls2) / M)
+        dense_part = (sum(st2.forward_s["decode"]) - d2.compute_s) / n2  # per token, outside experts calls
+        landed = max(0.0, (dense_part - L * dense_s) / max(1.0, d2.bytes_moved / rt.expert_bytes / n2))
+    return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok, cold,
+                          landed, max(0.0, extra), wake, f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime "
+                          f"(all resident, instant link, {new_tokens} tokens, quant={quant}"
+                          + (f"; cold experts over {link}" if link else "") + ")")

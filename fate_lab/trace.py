@@ -400,6 +400,11 @@ def record_trace(model, tokenizer, prompts: list, decode_tokens: int = 32, max_p
         raise TypeError("prompts must be a list of strings or token-id lists, not a single string")
     if decode_tokens < 0:
         raise ValueError(f"decode_tokens must be >= 0, got {decode_tokens}")
+    from fate_lab.hookup import is_offloaded
+
+    if is_offloaded(model):
+        raise RuntimeError("this model is offloaded by a fate_lab Runtime: record_trace needs the plain model "
+                           "(its experts in place); close() the runtime first, then record")
     adapter = adapt(model)
     device = next(model.parameters()).device
     rec = _Recorder(adapter)

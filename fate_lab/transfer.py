@@ -39,6 +39,11 @@ from .slots import DeviceSlots, SlotWriter
 from .store import HostStore
 
 _ENGINE_IDS = itertools.count()
+DEFAULT_TIMEOUT_S = 60.0  # the longest a compute thread waits for one expert before it gives up
+
+
+class TransferError(RuntimeError):
+    """A transfer can never arrive: the engine's worker died, or the wait ran past its timeout."""
 
 
 @dataclass(eq=False)
@@ -156,9 +161,11 @@ class EmulatedLink(TransferEngine):
     """A worker thread that does the real copy and keeps the link busy for the profile's time."""
 
     def __init__(self, store: HostStore, slots: DeviceSlots, link: LinkProfile,
-                 fault: Callable[[int, int], bool] | None = None):
+                 fault: Callable[[int, int], bool] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.link = link
         self.fault = fault
+        self.timeout_s = timeout_s
+        self.dead: str | None = None  # why the worker stopped, if it died
         self._writer = SlotWriter(store, slots)
         self._cuda = slots.device.type == "cuda"
         self._stream = torch.cuda.Stream(slots.device) if self._cuda else None
@@ -171,6 +178,8 @@ class EmulatedLink(TransferEngine):
 
     def submit(self, m: int, e: int, slot: int, urgent: bool = False, spec: QuantSpec | None = None) -> Transfer:
         """Queue a transfer; urgent ones (on-demand loads) jump ahead of queued prefetches."""
+        if self.dead is not None:
+            raise TransferError(f"the transfer worker died ({self.dead}); cannot move expert {e} of MoE layer {m}")
         t = Transfer(m, e, slot, self._writer.nbytes(m, e, spec), urgent, spec=spec)
         if self._cuda:  # the slot may still be read by queued kernels of the compute stream
             t.cuda_event = torch.cuda.current_stream().record_event()
@@ -198,11 +207,31 @@ class EmulatedLink(TransferEngine):
         return True
 
     def wait(self, t: Transfer) -> bool:
-        """Block until t is done."""
-        t.done.wait()
+        """Block until t is done; a dead worker or `timeout_s` without progress raise TransferError."""
+        deadline = time.monotonic() + self.timeout_s
+        while not t.done.wait(0.05):
+            if not self._thread.is_alive():
+                raise TransferError(f"the transfer worker died ({self.dead or 'no reason given'}) while expert "
+                                    f"{t.e} of MoE layer {t.m} was queued; the transfer will never arrive")
+            if time.monotonic() > deadline:
+                raise TransferError(f"expert {t.e} of MoE layer {t.m} did not arrive within {self.timeout_s:.0f} s "
+                                    f"(a store read that blocks?); raise OffloadConfig.transfer_timeout_s if "
+                                    "the link is really that slow")
         return t.ok
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt, ...: fail everything, loudly
+            self.dead = repr(exc)
+            with self._cv:
+                pending, self._queue = list(self._queue), collections.deque()
+                running, self._running = self._running, None
+            for t in pending + ([running] if running is not None else []):
+                t.error = f"transfer worker died: {self.dead}"
+                t.done.set()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not self._queue and not self._stop:
@@ -252,7 +281,7 @@ class EmulatedLink(TransferEngine):
         for t in pending:
             t.cancelled = True
             t.done.set()
-        self._thread.join()
+        self._thread.join(timeout=5.0)  # a worker stuck in a store read must not hang close()
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -264,7 +293,7 @@ class CudaCopyEngine(TransferEngine):
     """Native CUDA back end: non-blocking copies from pinned memory on a dedicated stream."""
 
     def __init__(self, store: HostStore, slots: DeviceSlots, fault: Callable[[int, int], bool] | None = None):
-        if slots.device.type != "cuda":
+        if slots.device.type != "cuda":  # (CUDA events complete or raise; no worker thread to die)
             raise ValueError("CudaCopyEngine needs slots on a CUDA device; use EmulatedLink on CPU")
         self.fault = fault
         self._writer = SlotWriter(store, slots)

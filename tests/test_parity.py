@@ -92,6 +92,7 @@ class _Clock:
         self.stats = RuntimeStats([{"prefill": PhaseStats(), "decode": PhaseStats()}], "", "", None, [1])
         self.shape = type("S", (), {"nbytes": staticmethod(lambda spec: 1000)})()
         self.events, self.stalls = [], []
+        self.hw = Hardware(COMPUTE_PROFILES["qwen15_moe_rtx3090"], None)  # landed_s = 0: no CPU emulation cost
 
     def spec(self, m, reason):
         return None

@@ -163,3 +163,15 @@ def test_prefill_prediction():
     assert (row["recall"], row["precision"], row["set_size"], row["true_set_size"]) == (1.0, 0.5, 4, 2)
     r = prefill_prediction(BATCH.unsqueeze(1), true, TopK(2), max_experts=2)
     assert r["per_layer"][0]["predicted"] == [1, 2] and r["precision"] == 1.0
+
+
+def test_one_row_fast_path_equals_the_tensor_rules():
+    """The decode path (plain Python over one row) picks the same ids as the batched tensor rules."""
+    from fate_lab.predictors import CountBudget, CumulativeProb, Percentile, TopK, TopKPlus
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.softmax(torch.randn(300, 32, generator=g) * 2, -1)
+    rows[0] = 1 / 32  # all equal: the percentile falls back to the single best
+    rows[1, :8] = rows[1, 8]  # ties at the boundary go to the lower id
+    for rule in (TopK(4), TopKPlus(4, 2), Percentile(75.0), Percentile(90.0), CountBudget(3), CumulativeProb(0.8)):
+        assert [rule.ids_row(r) for r in rows.tolist()] == rule.ids(rows), rule

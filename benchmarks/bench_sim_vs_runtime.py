@@ -1,0 +1,132 @@
+"""Simulator vs runtime: predicted and measured decode speed of every preset, in one run.
+
+For each scaled link and budget, runs the real offloaded runtime (greedy, prefill + N-1 decode
+forwards per prompt) and `fate_lab.simulate` on a trace of the same prompts, with the compute
+profile and the link calibrated ONCE at start-up and shared by every row (so no two rows run
+over different links). Prints one markdown table: measured and predicted decode tok/s, their
+ratio, stall per decode token, decode hit rate, and the targets of issue 8 (fate vs lru and
+load_on_demand; fate_quant vs lru_quant, runtime only: a quantized model routes differently
+from the trace of the plain one, so the simulator is not asked about it).
+
+    python -m benchmarks.bench_sim_vs_runtime                 # embedded model, 2 prompts x 32 tokens
+    python -m benchmarks.bench_sim_vs_runtime --out benchmarks/results/sim_vs_runtime.md
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+
+import torch
+
+from fate_lab.adapters import adapt
+from fate_lab.config import OffloadConfig
+from fate_lab.links import resolve_link
+from fate_lab.runtime import calibrate_layer_time, offload
+from fate_lab.simulate import Hardware, ModelShape, calibrate_compute, simulate
+from fate_lab.trace import record_trace
+
+from .bench_prefetch_variants import ladder
+
+PRESETS = ["load_on_demand", "lru", "mixtral_offloading", "activation_path", "fate_v1", "fate"]
+ABLATION = ["arc", "arc+shallow", "+top-k prefetch (v1 mechanics)", "whole set, admit on use",
+            "fate with uniform ARC"]  # rows of bench_prefetch_variants.ladder, measured in the runtime too
+QUANT = ["lru_quant", "fate_quant"]
+LINKS = ["qwen15_moe_rtx3090_pcie3", "qwen15_moe_rtx3090_pcie4"]
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], new_tokens: int) -> None:
+    """Prefill + new_tokens - 1 greedy decode forwards (what record_trace records)."""
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    for _ in range(new_tokens - 1):
+        out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=out.cache, use_cache=True)
+
+
+def run_runtime(model, prompts, cfg, new_tokens) -> dict:
+    """Measured decode tok/s, stall per decode token and hit rate of one config."""
+    with offload(model, cfg) as rt:
+        greedy(model, prompts[0], 4)  # warm-up (its counters are dropped)
+        rt.reset_stats()
+        for p in prompts:
+            greedy(model, p, new_tokens)
+        s = rt.stats.summary()
+        dec = rt.stats.forward_s["decode"]
+    return {"tok_s": len(dec) / sum(dec), "stall_ms": 1e3 * s["decode"]["stall_s"] / len(dec),
+            "hit": s["decode"]["hit_rate"], "link": rt.stats.link}
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded tiny MoE)")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--out", default=None, help="also write the table to this markdown file")
+    args = ap.parse_args(argv)
+    from fate_lab.corpus import heldout_prompts
+    from fate_lab.models import load_model
+
+    torch.manual_seed(0)
+    model, tok = load_model(args.model)
+    a = adapt(model)
+    prompts = [tok(t)["input_ids"][:24] for t in heldout_prompts(args.prompts)]
+    t0 = time.time()
+    layer_s = calibrate_layer_time(model, steps=24)
+    compute = calibrate_compute(model, torch.tensor([prompts[0]]), new_tokens=24, link=LINKS[0],
+                                layer_compute_s=layer_s)
+    trace = record_trace(model, tok, prompts, decode_tokens=args.new_tokens - 1, progress=False)
+    shape = ModelShape.from_adapter(a)
+    total = a.num_moe_layers * a.num_experts
+    lines = [f"# Simulator vs runtime ({time.strftime('%Y-%m-%d')})", "",
+             f"`python -m benchmarks.bench_sim_vs_runtime {shlex.join(argv or sys.argv[1:])}`", "",
+             f"Model: {args.model or 'embedded tiny MoE'}; {args.prompts} held-out prompts x {args.new_tokens} tokens; "
+             f"layer time {layer_s * 1e3:.3f} ms (calibrated once); compute profile: dense {compute.dense_s * 1e3:.3f} ms/layer, "
+             f"expert {compute.expert_s * 1e3:.3f} ms, call {compute.call_s * 1e3:.3f} ms, "
+             f"predict {compute.predict_s * 1e3:.3f} ms, cold expert +{compute.expert_cold_s * 1e3:.3f} ms, "
+             f"per landed transfer +{compute.landed_s * 1e3:.3f} ms, link overshoot +{compute.link_extra_s * 1e3:.3f} ms, "
+             f"wake-up {compute.wake_s * 1e3:.3f} ms (CPU emulation costs, see simulate.ComputeProfile).", "",
+             "| link | cached | preset | runtime tok/s | simulated tok/s | sim/runtime | runtime stall ms/tok | "
+             "sim stall ms/tok | runtime hit | sim hit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ratios: dict = {}
+    for link_name in LINKS:
+        for share in (0.5, 0.25):
+            slots = int(total * share)
+            lad = ladder(a.top_k)
+            for name in PRESETS + ABLATION + QUANT:
+                base = lad[name] if name in lad else OffloadConfig.preset(name)
+                cfg = dataclasses.replace(base, link=link_name, slots=slots, layer_compute_s=layer_s)
+                r = run_runtime(model, prompts, cfg, args.new_tokens)
+                ratios[link_name, share, name] = r["tok_s"]
+                if name in QUANT:
+                    lines.append(f"| {link_name} | {share:.0%} | {name} | {r['tok_s']:.1f} | — | — | "
+                                 f"{r['stall_ms']:.2f} | — | {r['hit']:.3f} | — |")
+                    continue
+                link = resolve_link(link_name, a.bytes_per_expert(), layer_s)
+                sim = simulate(trace, cfg, Hardware(compute, link), shape)
+                sd = sim.stats.summary()["decode"]
+                n_dec = len(sim.stats.forward_s["decode"])
+                lines.append(f"| {link_name} | {share:.0%} | {name} | {r['tok_s']:.1f} | {sim.decode_tok_s:.1f} | "
+                             f"{sim.decode_tok_s / r['tok_s']:.2f} | {r['stall_ms']:.2f} | "
+                             f"{1e3 * sd['stall_s'] / n_dec:.2f} | {r['hit']:.3f} | {sd['hit_rate']:.3f} |")
+                print(lines[-1], flush=True)
+    lines += ["", "Targets (issue 8), runtime, ratios of decode tok/s in this run:", ""]
+    for link_name in LINKS:
+        for share in (0.5, 0.25):
+            g = lambda n: ratios[link_name, share, n]  # noqa: E731
+            lines.append(f"- {link_name}, {share:.0%} cached: fate/lru {g('fate') / g('lru'):.2f}x, "
+                         f"fate/load_on_demand {g('fate') / g('load_on_demand'):.2f}x, "
+                         f"fate/fate_v1 {g('fate') / g('fate_v1'):.2f}x, "
+                         f"fate_quant/lru_quant {g('fate_quant') / g('lru_quant'):.2f}x")
+    lines.append(f"\nWall time {time.time() - t0:.0f} s.")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return text
+
+
+if __name__ == "__main__":
+    main()
