@@ -96,6 +96,8 @@ COMPUTE_PROFILES: dict[str, ComputeProfile] = {
                                       source="204.8 GB/s LPDDR5 at ~0.6 efficiency; ~5x the RTX 3090 estimate"),
 }
 
+_QWEN15_EXPERT_BYTES = 3 * 2048 * 1408 * 2  # Qwen1.5-MoE-A2.7B: one routed expert, fp16
+
 # Named setups: a compute profile and a link (links.LINK_PROFILES); experts read over that link.
 SETUPS: dict[str, tuple[str, str]] = {
     "qwen15_moe_rtx3090_pcie3": ("qwen15_moe_rtx3090", "pcie3_x16"),
@@ -114,12 +116,19 @@ class Hardware:
     link: LinkProfile | None  # None: the instant link (transfers take no time)
 
     @classmethod
-    def setup(cls, name: str) -> "Hardware":
-        """A named real setup (`SETUPS`)."""
+    def setup(cls, name: str, expert_bytes: int | None = None) -> "Hardware":
+        """A named real setup (`SETUPS`). With `expert_bytes` (a small model's expert), the link is scaled so
+        that one such expert takes as long as one of the setup's real model (Qwen1.5-MoE fp16, 17.3 MB):
+        the small model's routing on the real machine's clock."""
         if name not in SETUPS:
             raise ValueError(f"unknown setup {name!r}; choose one of {sorted(SETUPS)}")
         comp, link = SETUPS[name]
-        return cls(COMPUTE_PROFILES[comp], LINK_PROFILES[link])
+        prof = LINK_PROFILES[link]
+        if expert_bytes is not None:
+            real = _QWEN15_EXPERT_BYTES
+            prof = LinkProfile(f"{prof.name} (scaled to a {real / 1e6:.1f} MB expert)", prof.bandwidth * expert_bytes / real,
+                               prof.latency, prof.source, scaled_from=name)
+        return cls(COMPUTE_PROFILES[comp], prof)
 
 
 @dataclass(frozen=True)

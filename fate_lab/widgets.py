@@ -234,6 +234,7 @@ def _predictions(trace: Trace, predictor: str):
 
 
 ALLOCATION_CHOICES = ("shallow", "uniform", "miss_curve")
+ADMIT = "on_use"  # the replay admits prefetched experts as the `fate` preset does: when they are used
 
 
 def make_allocation(allocation: str, boundary: int, calibration: Trace | None = None,
@@ -251,7 +252,7 @@ def make_allocation(allocation: str, boundary: int, calibration: Trace | None = 
         if key not in _pred_cache:
             _pred_cache[key] = miss_curves(calibration.experts, calibration.num_experts, policy=replacement,
                                            predictions=_predictions(calibration, predictor),
-                                           prefetch_buffer=_buffer(calibration, predictor))
+                                           prefetch_buffer=_buffer(calibration, predictor), admit_prefetch=ADMIT)
         return allocation_from_name("miss_curve", curves=_pred_cache[key])
     raise ValueError(f"unknown allocation {allocation!r}; choose one of {ALLOCATION_CHOICES}")
 
@@ -263,7 +264,7 @@ def cache_table(trace: Trace, boundary: int, cache_total: int, allocation: str =
     alloc = make_allocation(allocation, boundary, calibration, replacement, predictor)
     slots = alloc.allocate(cache_total, trace.num_layers, trace.num_experts)
     res = replay(trace.experts, slots_per_layer=slots, policy=replacement, predictions=_predictions(trace, predictor),
-                 phase=trace.phase, prefetch_buffer=_buffer(trace, predictor))
+                 phase=trace.phase, prefetch_buffer=_buffer(trace, predictor), admit_prefetch=ADMIT)
     df = pd.DataFrame(res.per_layer)
     df.attrs["overall"] = res.overall
     return df
@@ -274,14 +275,18 @@ def cache_grid(trace: Trace, boundaries, budgets, replacement: str = "arc",
     """Hit rate over a grid of shallow boundary L x cache_total (rows L, columns budget)."""
     cols = sweep(trace.experts, boundaries=list(boundaries), budgets=list(budgets), num_experts=trace.num_experts,
                  policy=replacement, predictions=_predictions(trace, predictor), phase=trace.phase,
-                 prefetch_buffer=_buffer(trace, predictor))
+                 prefetch_buffer=_buffer(trace, predictor), admit_prefetch=ADMIT)
     df = pd.DataFrame(cols)
     key = "hit_rate" if phase == "all" else f"hit_rate_{phase}"
     return df.pivot(index="boundary", columns="cache_total", values=key)
 
 
-def cache_explorer(trace: Trace, calibration: Trace | None = None):
-    """Sliders for L and the budget (slots), dropdowns for allocation, replacement and predictor."""
+def cache_explorer(trace: Trace, calibration: Trace | None = None, hardware=None, shape=None):
+    """Sliders for L and the budget (slots), dropdowns for allocation, replacement and predictor.
+
+    With `hardware` and `shape` (``whatif.machine_hardware`` / ``simulate.ModelShape``), each setting
+    is also run through the timed simulator and its predicted decode tok/s is shown.
+    """
     import ipywidgets as W
     from IPython.display import display
 
@@ -302,10 +307,16 @@ def cache_explorer(trace: Trace, calibration: Trace | None = None):
             out.clear_output(wait=True)
             df = cache_table(trace, boundary.value, budget.value, alloc.value, repl.value, pred.value, calibration)
             o = df.attrs["overall"]
-            plots.grouped_bars(df.melt(id_vars=["layer"], value_vars=["hit_rate_prefill", "hit_rate_decode"],
-                                       var_name="phase"), "layer", "value", "phase", "hit rate", ylim=(0, 1.02),
-                               title=f"hit rate: decode {o['hit_rate_decode']:.3f}, prefill {o['hit_rate_prefill']:.3f}; "
-                                     f"slots per layer {df['slots'].tolist()}")
+            speed = ""
+            if hardware is not None and shape is not None:
+                speed = "\n" + simulated_speed(trace, alloc.value, boundary.value, repl.value, pred.value, budget.value,
+                                               hardware, shape, calibration)
+            boundary.disabled = alloc.value != "shallow"  # L only means something to the shallow allocation
+            long = df.melt(id_vars=["layer"], value_vars=["hit_rate_prefill", "hit_rate_decode"], var_name="phase")
+            long["phase"] = long["phase"].map({"hit_rate_prefill": "prefill", "hit_rate_decode": "decode"})
+            plots.grouped_bars(long, "layer", "value", "phase", "hit rate", ylim=(0, 1.02),
+                               title=f"replayed hit rate: decode {o['hit_rate_decode']:.3f}, prefill "
+                                     f"{o['hit_rate_prefill']:.3f}; slots per layer {df['slots'].tolist()}" + speed)
             import matplotlib.pyplot as plt
             plt.show()
             display(df[["layer", "slots", "hit_rate_prefill", "hit_rate_decode", "prefetch_loads",
@@ -317,9 +328,26 @@ def cache_explorer(trace: Trace, calibration: Trace | None = None):
     return W.VBox([W.HBox([boundary, budget]), W.HBox([alloc, repl, pred]), out])
 
 
+def simulated_speed(trace: Trace, allocation: str, boundary: int, replacement: str, predictor: str, slots: int,
+                    hardware, shape, calibration: Trace | None = None) -> str:
+    """One line: the timed simulator's decode hit rate and tok/s for a cache explorer's setting."""
+    from fate_lab.whatif import config_for, sim_row
+
+    if replacement == "belady" or predictor == "oracle":
+        return "simulator: Belady and the oracle need the future (replay only)"
+    row = sim_row(trace, config_for(allocation, boundary, replacement, predictor, slots, calibration), hardware, shape)
+    return (f"simulated on {hardware.compute.name}: decode hit {row['hit rate decode']:.3f}, "
+            f"{row['predicted decode tok/s']:.1f} tok/s, stall {row['stall (ms/token)']:.1f} ms/token")
+
+
 def decode_point(model, input_ids, boundary: int, cache_share: float, new_tokens: int = 16,
-                 link: str = "qwen15_moe_rtx3090_pcie3", preset: str = "fate") -> dict:
-    """One real offloaded decode (``preset`` with shallow boundary L and a cache share): its stats row."""
+                 link: str = "qwen15_moe_rtx3090_pcie3", preset: str = "fate",
+                 layer_compute_s: float | None = None) -> dict:
+    """One real offloaded decode (``preset`` with shallow boundary L and a cache share): its stats row.
+
+    Pass the same ``layer_compute_s`` to every call that a table compares: the scaled link is then
+    the same for every row (None calibrates it now, which a shared machine makes noisy).
+    """
     from fate_lab.adapters import adapt
     from fate_lab.bench import run_preset
 
@@ -327,28 +355,63 @@ def decode_point(model, input_ids, boundary: int, cache_share: float, new_tokens
         raise ValueError(f"cache_share must lie in [0, 1], got {cache_share}")
     ad = adapt(model)
     slots = int(round(cache_share * ad.num_moe_layers * ad.num_experts))
-    return run_preset(model, input_ids, preset, new_tokens, slots=slots, shallow_layers=boundary, link=link)["row"]
+    return run_preset(model, input_ids, preset, new_tokens, slots=slots, shallow_layers=boundary, link=link,
+                      layer_compute_s=layer_compute_s)["row"]
 
 
-def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_moe_rtx3090_pcie3"):
-    """Sliders for L and the cache share; each change decodes for real with the fate preset."""
+def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_moe_rtx3090_pcie3", tokenizer=None):
+    """Sliders for L and the cache share; each change decodes for real with the fate preset, and (with a
+    tokenizer) the timed simulator predicts the same run beside it. The link is calibrated once."""
     import ipywidgets as W
     from IPython.display import display
 
     from fate_lab.adapters import adapt
+    from fate_lab.simulate import ModelShape
+    from fate_lab.trace import record_trace
+    from fate_lab.whatif import machine_hardware, sim_row
 
-    M = adapt(model).num_moe_layers
-    boundary = W.IntSlider(value=min(3, M), min=0, max=M, description="L (shallow)", continuous_update=False)
-    share = W.FloatSlider(value=0.5, min=0.1, max=1.0, step=0.05, description="cache share", continuous_update=False)
+    ad = adapt(model)
+    M, E = ad.num_moe_layers, ad.num_experts
+    hw, layer_s = machine_hardware(model, tokenizer, link) if tokenizer is not None else (None, None)
+    if layer_s is None:
+        from fate_lab.runtime import calibrate_layer_time
+
+        layer_s = calibrate_layer_time(model, steps=24)
+    trace = record_trace(model, None, [input_ids[0].tolist()], decode_tokens=new_tokens - 1, progress=False) \
+        if hw is not None else None
+    shape = ModelShape.from_adapter(ad)
+    boundary = W.IntSlider(value=min(3, M), min=0, max=M, description="L (shallow layers)", continuous_update=False,
+                           style={"description_width": "initial"})
+    share = W.FloatSlider(value=0.5, min=0.1, max=1.0, step=0.05, description=f"cache share (of {M * E} experts)",
+                          continuous_update=False, style={"description_width": "initial"})
+    status = W.Label("")
     out = W.Output()
 
     def _draw(*_):
-        with out:
-            out.clear_output(wait=True)
-            row = decode_point(model, input_ids, boundary.value, share.value, new_tokens, link)
-            display(pd.DataFrame([row]).drop(columns=["preset"]).round(3).T.rename(columns={0: "fate"}))
+        status.value = "running… (a real offloaded decode)"
+        boundary.disabled = share.disabled = True
+        try:
+            with out:
+                out.clear_output(wait=True)
+                row = decode_point(model, input_ids, boundary.value, share.value, new_tokens, link,
+                                   layer_compute_s=layer_s)
+                table = pd.DataFrame({"measured (runtime)": row}).drop(index=["preset", "slots"])
+                if trace is not None:
+                    from fate_lab.config import OffloadConfig
+
+                    cfg = OffloadConfig.preset("fate", slots=int(round(share.value * M * E)),
+                                               shallow_layers=boundary.value)
+                    sim = sim_row(trace, cfg, hw, shape)
+                    table["predicted (simulator)"] = pd.Series({
+                        "decode tok/s": sim["predicted decode tok/s"], "TTFT (ms)": sim["predicted TTFT (ms)"],
+                        "hit rate decode": sim["hit rate decode"], "hit rate prefill": sim["hit rate prefill"],
+                        "stall decode (ms/token)": sim["stall (ms/token)"]})
+                display(table)
+        finally:
+            status.value = f"link: {link} (calibrated once: layer {layer_s * 1e3:.3f} ms)"
+            boundary.disabled = share.disabled = False
 
     boundary.observe(_draw, names="value")
     share.observe(_draw, names="value")
     _draw()
-    return W.VBox([W.HBox([boundary, share]), out])
+    return W.VBox([W.HBox([boundary, share]), status, out])

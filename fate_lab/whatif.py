@@ -1,0 +1,89 @@
+"""What-if tables: hit rate and predicted speed of offloading configs, from the timed simulator.
+
+What it is: the calls notebooks 04, 05 and the widgets make to ask the simulator (`simulate`)
+"how fast would this config decode this trace on that hardware?": `machine_hardware` (this
+machine, calibrated once per model and link from the runtime itself), `setup_hardware` (a named
+real setup, on the trace's own expert size), `sim_row` / `sim_table` (one row per config).
+What it is not: the simulator (`simulate.py`) or the runtime (`runtime.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+
+from fate_lab.config import OffloadConfig
+from fate_lab.simulate import Hardware, ModelShape, calibrate_compute, simulate
+
+_hw_cache: dict = {}
+
+
+def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -> tuple[Hardware, float]:
+    """(Hardware, layer seconds) of this machine running `model` with the emulated `link`, calibrated once
+    per (model, link) in this process: the same layer time scales the runtime's link and the simulator's."""
+    import torch
+
+    from fate_lab.adapters import adapt
+    from fate_lab.links import resolve_link
+    from fate_lab.runtime import calibrate_layer_time
+
+    key = (id(model), link)
+    if key not in _hw_cache:
+        layer_s = calibrate_layer_time(model, steps=24)
+        ids = torch.tensor([tokenizer("The expert cache holds the experts")["input_ids"]])
+        timed = None if link == "instant" else link  # every other link is emulated on a CPU
+        compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s)
+        prof = None if link == "instant" else resolve_link(link, adapt(model).bytes_per_expert(), layer_s)
+        _hw_cache[key] = (Hardware(compute, prof), layer_s)
+    return _hw_cache[key]
+
+
+def setup_hardware(name: str, shape: ModelShape) -> Hardware:
+    """A named real setup (`simulate.SETUPS`) with its link scaled to this model's expert size."""
+    return Hardware.setup(name, shape.nbytes(None))
+
+
+def sim_row(trace, config: OffloadConfig, hardware: Hardware, shape: ModelShape, name: str | None = None) -> dict:
+    """One row: decode/prefill hit rate, predicted decode tok/s and TTFT, stall and experts moved per token."""
+    res = simulate(trace, config, hardware, shape)
+    s = res.summary()
+    d, p = s["decode"], s["prefill"]
+    n = max(1, d["forwards"])
+    return {"config": name or config.name, "slots": config.slots if config.slots is not None else sum(res.slots_per_layer),
+            "hit rate decode": d["hit_rate"],
+            "hit rate prefill": p["hit_rate"], "predicted decode tok/s": res.decode_tok_s,
+            "predicted TTFT (ms)": 1e3 * res.ttft_s, "stall (ms/token)": 1e3 * d["stall_s"] / n,
+            "experts moved per token": d["bytes_moved"] / shape.nbytes(None) / n if config.quant is None else float("nan"),
+            "slots per layer": res.slots_per_layer}
+
+
+def sim_table(trace, configs: dict[str, OffloadConfig], hardware: Hardware, shape: ModelShape,
+              slots: list[int] | None = None) -> pd.DataFrame:
+    """`sim_row` of every config (for every cache size in `slots`, if given), with a progress bar."""
+    from tqdm.auto import tqdm
+
+    jobs = [(n, c if s is None else dataclasses.replace(c, slots=s, budget=None))
+            for s in (slots or [None]) for n, c in configs.items()]
+    return pd.DataFrame([sim_row(trace, c, hardware, shape, n) for n, c in tqdm(jobs, desc="simulate", unit="run")])
+
+
+def config_for(allocation: str, boundary: int, replacement: str, predictor: str, slots: int,
+               calibration=None) -> OffloadConfig:
+    """The runtime config a cache explorer's choices describe (prefetch as the `fate` preset moves it)."""
+    from fate_lab.allocation import lru_miss_curves
+    from fate_lab.predictors import Percentile
+
+    base = OffloadConfig.preset("fate", slots=slots, replacement=replacement, allocation=allocation,
+                                shallow_layers=boundary)
+    if allocation == "miss_curve":
+        if calibration is None:
+            raise ValueError("allocation='miss_curve' needs a calibration trace")
+        base = dataclasses.replace(base, miss_curves=tuple(map(tuple, lru_miss_curves(calibration.experts,
+                                                                                     calibration.num_experts))))
+    if predictor == "none (cache only)":
+        return dataclasses.replace(base, predictor=None, prefetch_buffer_experts=None)
+    if predictor == "cross-layer top-k":
+        return dataclasses.replace(base, rule=None)  # the runtime's TopK(model's top_k)
+    if predictor == "cross-layer percentile 75":
+        return dataclasses.replace(base, rule=Percentile(75.0))
+    raise ValueError(f"the simulator runs the predictors the runtime has; {predictor!r} is replay-only")
