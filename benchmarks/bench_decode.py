@@ -1,7 +1,7 @@
 """Decode tokens/s and time to first token of every offloading preset, in one run.
 
 For each link profile and budget (a fraction of all experts, as cache slots), runs greedy
-`model.generate` under every preset of `fate_lab.runtime.OffloadConfig`, plus plain generate,
+`model.generate` under every preset of `fate_lab.offloading.runtime.OffloadConfig`, plus plain generate,
 and prints a markdown table with ratios against `all_resident` and `load_on_demand`, the
 hit rate, stall time, prefetch recall/precision/set size, and whether the tokens equal plain
 generate's. The scaled links keep a named real setup's (expert transfer / layer compute)
@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from fate_lab.adapters import adapt
-from fate_lab.links import resolve_link
-from fate_lab.planner import plan_from_slots
-from fate_lab.runtime import OffloadConfig, calibrate_layer_time, offload
+from fate_lab.model.adapters import adapt
+from fate_lab.offloading.links import resolve_link
+from fate_lab.policy.planner import plan_from_slots
+from fate_lab.offloading.runtime import OffloadConfig, calibrate_layer_time, offload
 
 
 class _Clock:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from fate_lab.models import load_model
+    from fate_lab.model.models import load_model
 
     if args.model is None:
         model, _ = load_model(None)

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from fate_lab.adapters import adapt
-from fate_lab.config import OffloadConfig
-from fate_lab.runtime import calibrate_layer_time, offload
+from fate_lab.model.adapters import adapt
+from fate_lab.offloading.config import OffloadConfig
+from fate_lab.offloading.runtime import calibrate_layer_time, offload
 
 
 def _generate(model, ids, n):
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_device needs a CUDA device (torch.cuda.is_available() is False)")
-    from fate_lab.models import load_model
+    from fate_lab.model.models import load_model
 
     model, tok = load_model(None, device="cuda")
     a = adapt(model)

@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from fate_lab.adapters import adapt
-from fate_lab.config import OffloadConfig
-from fate_lab.links import LinkProfile
-from fate_lab.predictors import TopK
-from fate_lab.simulate import COMPUTE_PROFILES, Hardware, ModelShape, calibrate_compute, simulate
-from fate_lab.trace import record_trace
+from fate_lab.model.adapters import adapt
+from fate_lab.offloading.config import OffloadConfig
+from fate_lab.offloading.links import LinkProfile
+from fate_lab.policy.predictors import TopK
+from fate_lab.sim.simulate import COMPUTE_PROFILES, Hardware, ModelShape, calibrate_compute, simulate
+from fate_lab.model.trace import record_trace
 
 RATIOS = [0.25, 0.5, 1.0, 2.0, 2.9, 4.0]
 
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from fate_lab.corpus import heldout_prompts
-    from fate_lab.models import load_model
+    from fate_lab.model.corpus import heldout_prompts
+    from fate_lab.model.models import load_model
 
     t0 = time.time()
     model, tok = load_model(None)

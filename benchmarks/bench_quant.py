@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from fate_lab.adapters import adapt
+from fate_lab.model.adapters import adapt
 from fate_lab.quant import (QuantPolicy, QuantSpec, expert_nbytes, quality_report, quantize,
                             quantize_model_experts)
 
@@ -75,7 +75,7 @@ def reconstruction_table(model) -> list[dict]:
 
 def token_batches(tokenizer, n_tokens: int, seq_len: int) -> list[torch.Tensor]:
     """Held-out corpus text cut into [1, seq_len] token windows, n_tokens in all."""
-    from fate_lab.corpus import heldout_texts
+    from fate_lab.model.corpus import heldout_texts
 
     ids: list[int] = []
     for text in heldout_texts():
@@ -107,8 +107,8 @@ SPEED_LINKS = ("qwen15_moe_rtx3090_pcie3", "qwen15_moe_rtx3090_pcie4", "deepseek
 def speed_table(model, input_ids: torch.Tensor, new_tokens: int, cache_share: float = 0.25,
                 links: tuple[str, ...] = SPEED_LINKS) -> list[dict]:
     """One row per (link, preset): MiB per decode token, decode tok/s, hit rate, same tokens as `fate`."""
-    from fate_lab.bench import run_preset
-    from fate_lab.runtime import calibrate_layer_time
+    from fate_lab.study.bench import run_preset
+    from fate_lab.offloading.runtime import calibrate_layer_time
 
     ad = adapt(model)
     slots = int(cache_share * ad.num_moe_layers * ad.num_experts)
@@ -149,13 +149,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.manual_seed(0)
     if args.random:
-        from fate_lab.testing import tiny_model
+        from fate_lab.model.testing import tiny_model
 
         model, tokenizer = tiny_model("qwen2_moe", hidden_size=256, num_hidden_layers=8, num_experts=32,
                                       num_experts_per_tok=4, moe_intermediate_size=128,
                                       shared_expert_intermediate_size=256), None
     else:
-        from fate_lab.models import load_model
+        from fate_lab.model.models import load_model
 
         model, tokenizer = load_model(args.model)
     print(f"## Reconstruction error over all routed experts ({adapt(model).num_moe_layers} MoE layers)\n")
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n## Quality on {sum(b.numel() for b in batches)} {source} tokens\n")
     _print_table(quality_table(model, batches))
     if args.speed and tokenizer is not None:
-        from fate_lab.corpus import heldout_prompts
+        from fate_lab.model.corpus import heldout_prompts
 
         ids = tokenizer(heldout_prompts(1, max_chars=300)[0], return_tensors="pt")["input_ids"]
         print(f"\n## Runtime speed, {args.new_tokens} greedy tokens, cache a quarter of the experts\n")

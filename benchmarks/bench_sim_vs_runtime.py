@@ -1,7 +1,7 @@
 """Simulator vs runtime: predicted and measured decode speed of every preset, in one run.
 
 For each scaled link and budget, runs the real offloaded runtime (greedy, prefill + N-1 decode
-forwards per prompt) and `fate_lab.simulate` on a trace of the same prompts, with the compute
+forwards per prompt) and `fate_lab.sim.simulate` on a trace of the same prompts, with the compute
 profile and the link calibrated ONCE at start-up and shared by every row (so no two rows run
 over different links). Prints one markdown table: measured and predicted decode tok/s, their
 ratio, stall per decode token, decode hit rate, and the targets of issue 8 (fate vs lru and
@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from fate_lab.adapters import adapt
-from fate_lab.config import OffloadConfig
-from fate_lab.links import resolve_link
-from fate_lab.runtime import calibrate_layer_time, offload
-from fate_lab.simulate import Hardware, ModelShape, calibrate_compute, simulate
-from fate_lab.trace import record_trace
+from fate_lab.model.adapters import adapt
+from fate_lab.offloading.config import OffloadConfig
+from fate_lab.offloading.links import resolve_link
+from fate_lab.offloading.runtime import calibrate_layer_time, offload
+from fate_lab.sim.simulate import Hardware, ModelShape, calibrate_compute, simulate
+from fate_lab.model.trace import record_trace
 
 from .bench_prefetch_variants import ladder
 
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = ap.parse_args(argv)
-    from fate_lab.corpus import heldout_prompts
-    from fate_lab.models import load_model
+    from fate_lab.model.corpus import heldout_prompts
+    from fate_lab.model.models import load_model
 
     torch.manual_seed(0)
     model, tok = load_model(args.model)

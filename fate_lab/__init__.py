@@ -13,17 +13,17 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_model": "fate_lab.models",
-    "adapt": "fate_lab.adapters",
-    "Trace": "fate_lab.trace",
-    "record_trace": "fate_lab.trace",
-    "from_routing_array": "fate_lab.trace",
-    "offload": "fate_lab.runtime",
-    "OffloadConfig": "fate_lab.config",
-    "simulate": "fate_lab.simulate",
-    "Hardware": "fate_lab.simulate",
-    "ModelShape": "fate_lab.simulate",
-    "calibrate_compute": "fate_lab.simulate",
+    "load_model": "fate_lab.model.models",
+    "adapt": "fate_lab.model.adapters",
+    "Trace": "fate_lab.model.trace",
+    "record_trace": "fate_lab.model.trace",
+    "from_routing_array": "fate_lab.model.trace",
+    "offload": "fate_lab.offloading.runtime",
+    "OffloadConfig": "fate_lab.offloading.config",
+    "simulate": "fate_lab.sim.simulate",
+    "Hardware": "fate_lab.sim.simulate",
+    "ModelShape": "fate_lab.sim.simulate",
+    "calibrate_compute": "fate_lab.sim.simulate",
 }
 
 __all__ = sorted(_EXPORTS)

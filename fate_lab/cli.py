@@ -8,7 +8,7 @@ from pathlib import Path
 
 def _cmd_train(args: argparse.Namespace) -> None:
     from fate_lab.paths import TINY_MOE_DIR
-    from fate_lab.train import TrainConfig, train
+    from fate_lab.model.train import TrainConfig, train
 
     overrides = {k: v for k, v in {"steps": args.steps, "minutes": args.minutes, "seed": args.seed}.items() if v is not None}
     cfg = TrainConfig.preset(args.preset, **overrides)
@@ -17,9 +17,9 @@ def _cmd_train(args: argparse.Namespace) -> None:
 
 
 def _cmd_trace(args: argparse.Namespace) -> None:
-    from fate_lab.corpus import heldout_prompts
-    from fate_lab.models import load_model
-    from fate_lab.trace import record_trace
+    from fate_lab.model.corpus import heldout_prompts
+    from fate_lab.model.models import load_model
+    from fate_lab.model.trace import record_trace
 
     model, tok = load_model(args.model)
     prompts = heldout_prompts(args.prompts, max_chars=args.prompt_chars)
@@ -36,7 +36,7 @@ def _cmd_main(args: argparse.Namespace) -> None:
 
 
 def _cmd_check_notebooks(args: argparse.Namespace) -> None:
-    from fate_lab.notebooks import dirty_notebooks
+    from fate_lab.study.notebooks import dirty_notebooks
 
     dirty = dirty_notebooks(Path(args.folder))
     for line in dirty:

@@ -15,10 +15,10 @@ from tqdm.auto import tqdm
 
 def run_main(out: Path, model: str | None = None, fast: bool = False) -> None:
     """Record a trace on held-out prompts, print its summary, then execute every notebook."""
-    from fate_lab.corpus import heldout_prompts
-    from fate_lab.models import load_model
-    from fate_lab.notebooks import notebook_paths, run_notebook
-    from fate_lab.trace import record_trace
+    from fate_lab.model.corpus import heldout_prompts
+    from fate_lab.model.models import load_model
+    from fate_lab.study.notebooks import notebook_paths, run_notebook
+    from fate_lab.model.trace import record_trace
 
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

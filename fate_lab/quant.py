@@ -432,7 +432,7 @@ def quantize_model_experts(model: nn.Module, policy_or_spec: QuantPolicy | Quant
     A QuantPolicy gives each MoE layer `policy.precision_for(m, reason)`; a QuantSpec applies to
     all; `overrides[(m, e)]` sets single experts (e.g. misses of a replayed trace at INT2).
     """
-    from fate_lab.adapters import adapt
+    from fate_lab.model.adapters import adapt
 
     q_model = copy.deepcopy(model)
     adapter, original = adapt(q_model), adapt(model)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from fate_lab.adapters import SUPPORTED_FAMILIES, adapt, select_experts
-from fate_lab.testing import tiny_model
+from fate_lab.model.adapters import SUPPORTED_FAMILIES, adapt, select_experts
+from fate_lab.model.testing import tiny_model
 
 # (id, family, overrides): every family, plus DeepSeek-V2's plain greedy router.
 CASES = [(f, f, {}) for f in SUPPORTED_FAMILIES] + [("deepseek_v2-greedy", "deepseek_v2", {"topk_method": "greedy"})]

@@ -4,14 +4,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fate_lab.allocation import (
+from fate_lab.policy.allocation import (
     MissCurveAllocation,
     ShallowFavoringAllocation,
     UniformAllocation,
     allocation_from_name,
     lru_miss_curves,
 )
-from fate_lab.planner import plan_from_slots, plan_memory
+from fate_lab.policy.planner import plan_from_slots, plan_memory
 
 
 def test_uniform():

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from fate_lab.analysis import adjacent_cosine, cosine_matrix, routing_flatness
+from fate_lab.study.analysis import adjacent_cosine, cosine_matrix, routing_flatness
 
 # (N=2 tokens, L=3 layers, H=2)
 GI = torch.tensor([
@@ -57,7 +57,7 @@ def test_routing_flatness_phases():
 
 
 def test_adjacent_cosine_baseline_pairs_different_tokens():
-    from fate_lab.analysis import adjacent_cosine_baseline
+    from fate_lab.study.analysis import adjacent_cosine_baseline
 
     # token t's layer-1 vector equals its layer-0 vector, so same-token cosine is 1; tokens are
     # orthogonal to each other, so any different-token pairing gives exactly 0

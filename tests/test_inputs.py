@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fate_lab.quant import QuantSpec, packed_nbytes, quantize
-from fate_lab.trace import Trace, from_routing_array
+from fate_lab.model.trace import Trace, from_routing_array
 
 OK = [[[0, 1], [2, 3]], [[1, 0], [3, 2]]]  # 2 tokens, 2 layers, k = 2, ids < 4
 

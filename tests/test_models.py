@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fate_lab.models import load_model
+from fate_lab.model.models import load_model
 from fate_lab.paths import TINY_MOE_DIR
 
 pytestmark = pytest.mark.skipif(not (TINY_MOE_DIR / "model.safetensors").is_file(),

@@ -5,8 +5,8 @@ import nbformat
 import pandas as pd
 import pytest
 
-from fate_lab import lab
-from fate_lab.notebooks import (FAST_CELL_TIMEOUT, FULL_CELL_TIMEOUT, NotebookCellTimeout, cell_timeout,
+from fate_lab.study import lab
+from fate_lab.study.notebooks import (FAST_CELL_TIMEOUT, FULL_CELL_TIMEOUT, NotebookCellTimeout, cell_timeout,
                                 dirty_notebooks, final_table, notebook_errors, notebook_paths, run_notebook,
                                 table_numbers)
 

@@ -9,13 +9,13 @@ plain model is not what they run (a trace of the quantized model would be).
 import pytest
 import torch
 
-from fate_lab.adapters import adapt
-from fate_lab.config import OffloadConfig
+from fate_lab.model.adapters import adapt
+from fate_lab.offloading.config import OffloadConfig
 from fate_lab.paths import TINY_MOE_DIR
-from fate_lab.runtime import offload
-from fate_lab.simulate import COMPUTE_PROFILES, Hardware, ModelShape, SimLink, simulate, trace_steps
-from fate_lab.testing import tiny_model
-from fate_lab.trace import record_trace
+from fate_lab.offloading.runtime import offload
+from fate_lab.sim.simulate import COMPUTE_PROFILES, Hardware, ModelShape, SimLink, simulate, trace_steps
+from fate_lab.model.testing import tiny_model
+from fate_lab.model.trace import record_trace
 
 KEYS = ("calls", "uses", "hits", "late", "misses", "prefetch_issued", "prefetch_useful", "prefetch_wasted",
         "predicted", "predicted_used", "bytes_moved")
@@ -56,7 +56,7 @@ def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int])
 
 @pytest.mark.skipif(not TINY_MOE_DIR.is_dir(), reason="embedded model data/tiny_moe not present")
 def test_simulator_counts_equal_runtime_counts_on_the_embedded_model():
-    from fate_lab.models import load_model
+    from fate_lab.model.models import load_model
 
     model, tok = load_model(None)
     a = adapt(model)
@@ -75,7 +75,7 @@ def test_simulator_counts_equal_runtime_counts_on_other_families(family):
 
 
 def test_trace_steps_group_a_prompts_prefill():
-    from fate_lab.trace import from_routing_array
+    from fate_lab.model.trace import from_routing_array
 
     tr = from_routing_array(torch.zeros(7, 1, 1, dtype=torch.int64), num_experts=2,
                             phase=[0, 0, 0, 1, 1, 0, 1], prompt_id=[0, 0, 0, 0, 0, 1, 1])
@@ -86,7 +86,7 @@ class _Clock:
     """The minimum of a simulation a SimLink needs: a clock, a phase, counters, byte sizes."""
 
     def __init__(self):
-        from fate_lab.stats import PhaseStats, RuntimeStats
+        from fate_lab.offloading.stats import PhaseStats, RuntimeStats
 
         self.now, self.phase, self.window_s = 0.0, "decode", {}
         self.stats = RuntimeStats([{"prefill": PhaseStats(), "decode": PhaseStats()}], "", "", None, [1])
@@ -106,7 +106,7 @@ class _Clock:
 
 def test_sim_link_queue_by_hand():
     """1000 bytes at 1e6 B/s = 1 ms each; urgent loads jump queued prefetches; started ones cannot be cancelled."""
-    from fate_lab.links import LinkProfile
+    from fate_lab.offloading.links import LinkProfile
 
     clock = _Clock()
     link = SimLink(clock, LinkProfile("hand", 1e6, 0.0))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fate_lab.predictors import (
+from fate_lab.policy.predictors import (
     ActivationPath,
     CountBudget,
     CrossLayerGate,
@@ -167,7 +167,7 @@ def test_prefill_prediction():
 
 def test_one_row_fast_path_equals_the_tensor_rules():
     """The decode path (plain Python over one row) picks the same ids as the batched tensor rules."""
-    from fate_lab.predictors import CountBudget, CumulativeProb, Percentile, TopK, TopKPlus
+    from fate_lab.policy.predictors import CountBudget, CumulativeProb, Percentile, TopK, TopKPlus
 
     g = torch.Generator().manual_seed(0)
     rows = torch.softmax(torch.randn(300, 32, generator=g) * 2, -1)

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from fate_lab.adapters import adapt
+from fate_lab.model.adapters import adapt
 from fate_lab.quant import (
     QuantPolicy,
     QuantSpec,
@@ -22,7 +22,7 @@ from fate_lab.quant import (
     quantized_nbytes,
     unpack,
 )
-from fate_lab.testing import tiny_model
+from fate_lab.model.testing import tiny_model
 
 try:
     from hypothesis import given, settings
@@ -262,8 +262,8 @@ def _embedded_model_present() -> bool:
 
 @pytest.mark.skipif(not _embedded_model_present(), reason="embedded model data/tiny_moe not built yet")
 def test_int8_embedded_model_keeps_greedy_tokens_on_test_prompts():
-    from fate_lab.corpus import heldout_prompts
-    from fate_lab.models import load_model
+    from fate_lab.model.corpus import heldout_prompts
+    from fate_lab.model.models import load_model
 
     model, tok = load_model()
     q_model = quantize_model_experts(model, QuantPolicy.preset("int8"))

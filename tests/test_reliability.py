@@ -5,12 +5,12 @@ import threading
 import pytest
 import torch
 
-from fate_lab.adapters import adapt
-from fate_lab.config import OffloadConfig
-from fate_lab.runtime import offload
-from fate_lab.testing import tiny_model
-from fate_lab.trace import record_trace
-from fate_lab.transfer import TransferError
+from fate_lab.model.adapters import adapt
+from fate_lab.offloading.config import OffloadConfig
+from fate_lab.offloading.runtime import offload
+from fate_lab.model.testing import tiny_model
+from fate_lab.model.trace import record_trace
+from fate_lab.offloading.transfer import TransferError
 
 N = 6
 

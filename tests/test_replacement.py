@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fate_lab.replacement import ARC, LFU, LRFU, LRU, Belady, policy_from_name
+from fate_lab.policy.replacement import ARC, LFU, LRFU, LRU, Belady, policy_from_name
 
 
 def test_lru_steps_and_protect():

@@ -4,10 +4,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fate_lab.allocation import ShallowFavoringAllocation, lru_miss_curves
-from fate_lab.predictors import TopK, TopKPlus
-from fate_lab.replacement import LRU
-from fate_lab.replay import miss_curves, predictions_from_rule, replay, sweep
+from fate_lab.policy.allocation import ShallowFavoringAllocation, lru_miss_curves
+from fate_lab.policy.predictors import TopK, TopKPlus
+from fate_lab.policy.replacement import LRU
+from fate_lab.sim.replay import miss_curves, predictions_from_rule, replay, sweep
 
 
 def test_replay_with_prefetch_by_hand():
@@ -153,7 +153,7 @@ def test_prefetch_buffer_stages_what_the_cache_cannot_take():
 
 
 def test_replay_accepts_a_trace_an_int_slot_count_and_a_phase_name():
-    from fate_lab.trace import from_routing_array
+    from fate_lab.model.trace import from_routing_array
 
     ex = torch.tensor([[[0, 1]], [[1, 2]], [[0, 1]]])
     tr = from_routing_array(ex, num_experts=3, phase=[0, 1, 1])
@@ -178,9 +178,9 @@ def test_replay_follows_the_runtime_order_hits_before_misses():
 
 def test_replay_equals_the_simulator_on_an_instant_link():
     """Two drivers of one cache: the per-layer replay and the multi-layer simulator agree on decode."""
-    from fate_lab.config import OffloadConfig
-    from fate_lab.simulate import COMPUTE_PROFILES, Hardware, ModelShape, simulate
-    from fate_lab.trace import from_routing_array
+    from fate_lab.offloading.config import OffloadConfig
+    from fate_lab.sim.simulate import COMPUTE_PROFILES, Hardware, ModelShape, simulate
+    from fate_lab.model.trace import from_routing_array
 
     torch.manual_seed(3)
     N, L, k, E = 300, 4, 2, 8

@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers import TextStreamer
 
-from fate_lab.adapters import adapt
-from fate_lab.links import LINK_PROFILES, REAL_SETUPS, resolve_link, scaled_profile
+from fate_lab.model.adapters import adapt
+from fate_lab.offloading.links import LINK_PROFILES, REAL_SETUPS, resolve_link, scaled_profile
 from fate_lab.paths import TINY_MOE_DIR
-from fate_lab.runtime import OffloadConfig, Runtime, offload
-from fate_lab.testing import tiny_model
-from fate_lab.slots import FullSlots
-from fate_lab.transfer import EmulatedLink
-from fate_lab.store import RamStore
+from fate_lab.offloading.runtime import OffloadConfig, Runtime, offload
+from fate_lab.model.testing import tiny_model
+from fate_lab.offloading.slots import FullSlots
+from fate_lab.offloading.transfer import EmulatedLink
+from fate_lab.offloading.store import RamStore
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
 PRESETS = OffloadConfig.preset_names()
@@ -209,7 +209,7 @@ def test_emulated_link_overlaps_with_compute_and_holds_for_link_time():
 
 @pytest.mark.skipif(not TINY_MOE_DIR.is_dir(), reason="embedded model data/tiny_moe not present")
 def test_embedded_model_every_preset():
-    from fate_lab.models import load_model
+    from fate_lab.model.models import load_model
 
     model, tok = load_model(None)
     a = adapt(model)

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fate_lab.adapters import adapt
-from fate_lab.links import LinkProfile
+from fate_lab.model.adapters import adapt
+from fate_lab.offloading.links import LinkProfile
 from fate_lab.paths import TINY_MOE_DIR
 from fate_lab.quant import QuantPolicy, QuantSpec, quantize_model_experts
-from fate_lab.runtime import OffloadConfig, offload
-from fate_lab.store import QuantizedStore, RamStore
-from fate_lab.testing import tiny_model
-from fate_lab.slots import FullSlots
-from fate_lab.transfer import EmulatedLink
+from fate_lab.offloading.runtime import OffloadConfig, offload
+from fate_lab.offloading.store import QuantizedStore, RamStore
+from fate_lab.model.testing import tiny_model
+from fate_lab.offloading.slots import FullSlots
+from fate_lab.offloading.transfer import EmulatedLink
 
 NEW_TOKENS = 10
 # hidden 64, expert width 64 (group 64 must divide both), 16 experts, top-2, 2 MoE layers
@@ -185,7 +185,7 @@ def test_quantized_runtime_fits_its_budget_with_packed_slots(preset, quant):
 
 
 def test_packed_slot_holds_the_packed_bytes_and_dequantizes_like_the_host_copy():
-    from fate_lab.slots import PackedSlots
+    from fate_lab.offloading.slots import PackedSlots
 
     model = _model()
     base = RamStore.from_adapter(adapt(model))
@@ -237,8 +237,8 @@ def test_emulated_link_holds_for_the_packed_bytes_and_dequantizes_into_the_slot(
 
 @pytest.mark.skipif(not TINY_MOE_DIR.is_dir(), reason="embedded model data/tiny_moe not present")
 def test_embedded_model_int8_greedy_output_matches_on_heldout_prompts():
-    from fate_lab.corpus import heldout_prompts
-    from fate_lab.models import load_model
+    from fate_lab.model.corpus import heldout_prompts
+    from fate_lab.model.models import load_model
 
     model, tok = load_model(None)
     agree = total = 0
@@ -267,7 +267,7 @@ def test_ssd_store_with_quantization_matches_the_ram_store(tmp_path):
 
 
 def test_stepwise_forward_equals_the_full_forward():
-    from fate_lab.runtime import StepwiseForward
+    from fate_lab.offloading.runtime import StepwiseForward
 
     model = _model(seed=7)
     ids = _prompt(model.config.vocab_size, n=6, seed=4)
@@ -282,7 +282,7 @@ def test_stepwise_forward_equals_the_full_forward():
 @pytest.mark.parametrize("name", ["int8", "int4", "int3", "int2"])
 def test_device_side_dequantize_is_bit_exact(name):
     from fate_lab.quant import quantize
-    from fate_lab.slots import _dequantize_into
+    from fate_lab.offloading.slots import _dequantize_into
 
     w = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))  # (2I, H)
     q = quantize(w, QuantSpec.preset(name))

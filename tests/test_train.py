@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from fate_lab.corpus import heldout_prompts, load_corpus
-from fate_lab.train import TrainConfig, per_layer_balance_loss, train
+from fate_lab.model.corpus import heldout_prompts, load_corpus
+from fate_lab.model.train import TrainConfig, per_layer_balance_loss, train
 
 
 def test_corpus_split_is_by_whole_documents():
@@ -28,7 +28,7 @@ def test_balance_loss_is_one_when_uniform_and_larger_when_skewed():
 
 
 def test_a_few_steps_lower_the_loss_and_output_loads(tmp_path):
-    from fate_lab.models import load_model
+    from fate_lab.model.models import load_model
 
     card = train(TrainConfig.preset("smoke", steps=25), tmp_path)
     assert card["train_loss"] < card["first_step_loss"] - 0.2

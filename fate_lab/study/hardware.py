@@ -73,7 +73,7 @@ def meta_model(name: str):
 
 def memory_breakdown(model, name: str, dtype: torch.dtype = torch.bfloat16, context_len: int = 2048) -> dict:
     """Dense vs expert bytes, bytes per expert and KV cache of a model at ``dtype``."""
-    from fate_lab.adapters import adapt
+    from fate_lab.model.adapters import adapt
 
     ad = adapt(model)
     scale = torch.empty((), dtype=dtype).element_size() / next(model.parameters()).element_size()

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from fate_lab import predictors as P
-from fate_lab.allocation import allocation_from_name
-from fate_lab.replay import miss_curves, predictions_from_rule, replay, sweep
-from fate_lab.trace import Trace
-from fate_lab.trace import cross_layer_scores as trace_scores
+from fate_lab.policy import predictors as P
+from fate_lab.policy.allocation import allocation_from_name
+from fate_lab.sim.replay import miss_curves, predictions_from_rule, replay, sweep
+from fate_lab.model.trace import Trace
+from fate_lab.model.trace import cross_layer_scores as trace_scores
 
 # Rule choices shown to a reader: label -> (rule name, parameter name, default, (min, max, step)).
 # An int default marks an integer parameter (IntSlider), a float one a real parameter
@@ -140,7 +140,7 @@ def prefetch_explorer(trace: Trace):
     import matplotlib.pyplot as plt
     from IPython.display import display
 
-    from fate_lab import plots
+    from fate_lab.study import plots
 
     style = {"description_width": "initial"}
     rule = W.Dropdown(options=list(RULE_CHOICES), value="percentile (paper: q=75)", description="rule")
@@ -290,7 +290,7 @@ def cache_explorer(trace: Trace, calibration: Trace | None = None, hardware=None
     import ipywidgets as W
     from IPython.display import display
 
-    from fate_lab import plots
+    from fate_lab.study import plots
 
     L, E = trace.num_layers, trace.num_experts
     boundary = W.IntSlider(value=min(3, L), min=0, max=L, description="L (shallow)", continuous_update=False)
@@ -331,7 +331,7 @@ def cache_explorer(trace: Trace, calibration: Trace | None = None, hardware=None
 def simulated_speed(trace: Trace, allocation: str, boundary: int, replacement: str, predictor: str, slots: int,
                     hardware, shape, calibration: Trace | None = None) -> str:
     """One line: the timed simulator's decode hit rate and tok/s for a cache explorer's setting."""
-    from fate_lab.whatif import config_for, sim_row
+    from fate_lab.sim.whatif import config_for, sim_row
 
     if replacement == "belady" or predictor == "oracle":
         return "simulator: Belady and the oracle need the future (replay only)"
@@ -348,8 +348,8 @@ def decode_point(model, input_ids, boundary: int, cache_share: float, new_tokens
     Pass the same ``layer_compute_s`` to every call that a table compares: the scaled link is then
     the same for every row (None calibrates it now, which a shared machine makes noisy).
     """
-    from fate_lab.adapters import adapt
-    from fate_lab.bench import run_preset
+    from fate_lab.model.adapters import adapt
+    from fate_lab.study.bench import run_preset
 
     if not 0.0 <= cache_share <= 1.0:
         raise ValueError(f"cache_share must lie in [0, 1], got {cache_share}")
@@ -365,16 +365,16 @@ def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_
     import ipywidgets as W
     from IPython.display import display
 
-    from fate_lab.adapters import adapt
-    from fate_lab.simulate import ModelShape
-    from fate_lab.trace import record_trace
-    from fate_lab.whatif import machine_hardware, sim_row
+    from fate_lab.model.adapters import adapt
+    from fate_lab.sim.simulate import ModelShape
+    from fate_lab.model.trace import record_trace
+    from fate_lab.sim.whatif import machine_hardware, sim_row
 
     ad = adapt(model)
     M, E = ad.num_moe_layers, ad.num_experts
     hw, layer_s = machine_hardware(model, tokenizer, link) if tokenizer is not None else (None, None)
     if layer_s is None:
-        from fate_lab.runtime import calibrate_layer_time
+        from fate_lab.offloading.runtime import calibrate_layer_time
 
         layer_s = calibrate_layer_time(model, steps=24)
     trace = record_trace(model, None, [input_ids[0].tolist()], decode_tokens=new_tokens - 1, progress=False) \
@@ -397,7 +397,7 @@ def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_
                                    layer_compute_s=layer_s)
                 table = pd.DataFrame({"measured (runtime)": row}).drop(index=["preset", "slots"])
                 if trace is not None:
-                    from fate_lab.config import OffloadConfig
+                    from fate_lab.offloading.config import OffloadConfig
 
                     cfg = OffloadConfig.preset("fate", slots=int(round(share.value * M * E)),
                                                shallow_layers=boundary.value)

@@ -89,7 +89,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     """Load ``(model, tokenizer)`` from a local directory; ``None`` means the embedded tiny MoE."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from fate_lab.adapters import SUPPORTED_FAMILIES
+    from fate_lab.model.adapters import SUPPORTED_FAMILIES
 
     path = Path(path) if path is not None else TINY_MOE_DIR
     _check_model_folder(path)

@@ -45,7 +45,7 @@ def time_generate(model, input_ids: torch.Tensor, new_tokens: int, repeats: int 
 
 def run_preset(model, input_ids: torch.Tensor, preset: str, new_tokens: int, repeats: int = 1, **overrides) -> dict:
     """Offload with a preset, time greedy generate, and return a row of speed + runtime stats."""
-    from fate_lab.runtime import OffloadConfig, offload
+    from fate_lab.offloading.runtime import OffloadConfig, offload
 
     rt = offload(model, OffloadConfig.preset(preset, **overrides))
     try:

@@ -30,22 +30,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import hookup
-from .adapters import MoEAdapter, adapt
-from .allocation import lru_miss_curves
-from .cache import ExpertCache
-from .config import OffloadConfig
-from .hookup import StepwiseForward, StepwiseOutput  # noqa: F401  (public, re-exported)
-from .links import LINK_PROFILES, LinkProfile, resolve_link
-from .planner import plan_offload
-from .predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
-from .quant import QuantPolicy, QuantSpec, expert_nbytes
-from .replacement import policy_from_name
-from .slots import DeviceSlots, FullSlots, PackedSlots
-from .stats import PHASES, PhaseStats, RuntimeStats
-from .step import run_layer
-from .store import HostStore, QuantizedStore, RamStore, SafetensorsStore
-from .transfer import (CudaCopyEngine, EmulatedLink, InstantLink, Transfer, TransferEngine, TransferError,
+from fate_lab.offloading import hookup
+from fate_lab.model.adapters import MoEAdapter, adapt
+from fate_lab.policy.allocation import lru_miss_curves
+from fate_lab.policy.cache import ExpertCache
+from fate_lab.offloading.config import OffloadConfig
+from fate_lab.offloading.hookup import StepwiseForward, StepwiseOutput  # noqa: F401  (public, re-exported)
+from fate_lab.offloading.links import LINK_PROFILES, LinkProfile, resolve_link
+from fate_lab.policy.planner import plan_offload
+from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
+from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
+from fate_lab.policy.replacement import policy_from_name
+from fate_lab.offloading.slots import DeviceSlots, FullSlots, PackedSlots
+from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
+from fate_lab.policy.step import run_layer
+from fate_lab.offloading.store import HostStore, QuantizedStore, RamStore, SafetensorsStore
+from fate_lab.offloading.transfer import (CudaCopyEngine, EmulatedLink, InstantLink, Transfer, TransferEngine, TransferError,
                        calibrate_layer_time)
 
 __all__ = ["OffloadConfig", "Runtime", "offload", "calibrate_layer_time", "StepwiseForward", "spec_label"]
@@ -188,7 +188,7 @@ class Runtime:
     @torch.no_grad()
     def _calibration_curves(self, prompt_tokens: int = 16, decode_tokens: int = 48) -> list[list[int]]:
         """LRU miss curves of a short greedy run from a seeded random prompt (miss_curve allocation)."""
-        from .trace import record_trace
+        from fate_lab.model.trace import record_trace
 
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, self.model.config.vocab_size, (prompt_tokens,), generator=g).tolist()

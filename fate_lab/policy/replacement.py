@@ -1,7 +1,7 @@
 """Per-layer expert-cache replacement policies: pure bookkeeping over expert ids.
 
 A policy answers one question, "which resident expert goes?". It holds no weights, touches
-no device and no thread; the runtime's slot manager and the trace replay (`fate_lab.replay`)
+no device and no thread; the runtime's slot manager and the trace replay (`fate_lab.sim.replay`)
 drive the same objects. One policy instance manages the cache of ONE MoE layer.
 
 Contract shared by every policy (the replay and the runtime rely on it):

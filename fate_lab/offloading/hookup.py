@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from .adapters import MoEAdapter
-from .store import HostStore
+from fate_lab.model.adapters import MoEAdapter
+from fate_lab.offloading.store import HostStore
 
 IMPLEMENTATION = "fate_offload"
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .quant import QuantizedTensor, QuantSpec, quantize
+from fate_lab.quant import QuantizedTensor, QuantSpec, quantize
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from fate_lab.corpus import CORPUS_FILE, load_corpus
+from fate_lab.model.corpus import CORPUS_FILE, load_corpus
 
 EOS = "<|endoftext|>"
 

@@ -50,7 +50,7 @@ def model_path(model: str | Path | None) -> Path:
 
 def load(model: str | Path | None = None, dtype: str = "float32"):
     """``(model, tokenizer)`` for a notebook, loaded once per kernel."""
-    from fate_lab.models import load_model
+    from fate_lab.model.models import load_model
 
     key = (str(model_path(model)), dtype)
     if key not in _loaded:
@@ -73,8 +73,8 @@ def get_trace(model: str | Path | None = None, fast: bool = False, cache: bool =
     ``split="eval"`` uses the first held-out prompts; ``split="calib"`` the next, disjoint ones
     (for anything that is tuned on a trace, such as the miss-curve allocation).
     """
-    from fate_lab.corpus import heldout_prompts
-    from fate_lab.trace import Trace, record_trace
+    from fate_lab.model.corpus import heldout_prompts
+    from fate_lab.model.trace import Trace, record_trace
 
     if split not in ("eval", "calib"):
         raise ValueError(f"split must be 'eval' or 'calib', not {split!r}")

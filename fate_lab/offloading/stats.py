@@ -11,7 +11,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .planner import MemoryPlan
+from fate_lab.policy.planner import MemoryPlan
 
 PHASES = ("prefill", "decode")
 

@@ -394,13 +394,13 @@ class _Recorder:
 def record_trace(model, tokenizer, prompts: list, decode_tokens: int = 32, max_prompt_tokens: int | None = None,
                  progress: bool = True) -> Trace:
     """Prefill each prompt, then greedy-decode ``decode_tokens`` steps, recording every MoE layer."""
-    from fate_lab.adapters import adapt
+    from fate_lab.model.adapters import adapt
 
     if isinstance(prompts, (str, bytes)):
         raise TypeError("prompts must be a list of strings or token-id lists, not a single string")
     if decode_tokens < 0:
         raise ValueError(f"decode_tokens must be >= 0, got {decode_tokens}")
-    from fate_lab.hookup import is_offloaded
+    from fate_lab.offloading.hookup import is_offloaded
 
     if is_offloaded(model):
         raise RuntimeError("this model is offloaded by a fate_lab Runtime: record_trace needs the plain model "
@@ -468,7 +468,7 @@ def record_trace(model, tokenizer, prompts: list, decode_tokens: int = 32, max_p
 
 def cross_layer_scores(trace: Trace) -> torch.Tensor:
     """Scores for layer l+1 predicted from layer l's gate input: [N, L-1, E] (Fate's prefetch signal)."""
-    from fate_lab.predictors import cross_layer_scores as _scores
+    from fate_lab.policy.predictors import cross_layer_scores as _scores
 
     if trace.gate_inputs is None or trace.router_weights is None:
         raise ValueError("this trace has no gate inputs/router weights (e.g. it came from a routing array); "

@@ -5,7 +5,7 @@ The working buffers are the ``top_k`` experts one layer computes with plus the p
 buffers, plus ``scratch_bytes`` (a packed-slot runtime's full-precision scratch that an expert
 is dequantized into before it computes; 0 when slots hold full precision); below dense + KV +
 buffers nothing can run. Pure arithmetic: this module allocates
-nothing; per-layer splitting of ``cache_total`` is ``fate_lab.allocation``'s job.
+nothing; per-layer splitting of ``cache_total`` is ``fate_lab.policy.allocation``'s job.
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def plan_offload(config, *, num_layers: int, num_experts: int, top_k: int, slot_
     """(plan, slots per MoE layer, prefetch buffers per pool) for an `OffloadConfig`: what the runtime
     allocates and the simulator models, from one function. ``miss_curves()`` supplies curves for
     allocation="miss_curve" when the config has none."""
-    from .allocation import allocation_from_name
+    from fate_lab.policy.allocation import allocation_from_name
 
     prefetching = config.predictor is not None
     buffers = config.prefetch_buffer_experts

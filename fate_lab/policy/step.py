@@ -19,8 +19,8 @@ from typing import Callable
 
 from torch import Tensor
 
-from .cache import ExpertCache
-from .predictors import Predictor
+from fate_lab.policy.cache import ExpertCache
+from fate_lab.policy.predictors import Predictor
 
 
 def needed_order(flat: list[int], popularity: bool) -> list[int]:

@@ -27,17 +27,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import ExpertCache
-from .config import OffloadConfig
-from .links import LINK_PROFILES, LinkProfile, resolve_link
-from .planner import plan_offload
-from .predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
-from .quant import QuantPolicy, QuantSpec, expert_nbytes
-from .replacement import policy_from_name
-from .runtime import _STALL_MIN_S, _EMA, link_capacity, spec_label
-from .stats import PHASES, PhaseStats, RuntimeStats
-from .step import run_layer
-from .trace import DECODE, PREFILL, Trace
+from fate_lab.policy.cache import ExpertCache
+from fate_lab.offloading.config import OffloadConfig
+from fate_lab.offloading.links import LINK_PROFILES, LinkProfile, resolve_link
+from fate_lab.policy.planner import plan_offload
+from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
+from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
+from fate_lab.policy.replacement import policy_from_name
+from fate_lab.offloading.runtime import _STALL_MIN_S, _EMA, link_capacity, spec_label
+from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
+from fate_lab.policy.step import run_layer
+from fate_lab.model.trace import DECODE, PREFILL, Trace
 
 _SCRATCH_SLOTS = 1
 
@@ -295,7 +295,7 @@ class _Sim:
         self.quant = QuantPolicy.preset(config.quant) if config.quant is not None else None
         slot_bytes, scratch = shape.nbytes(None), 0
         if self.quant is not None:
-            from .slots import PackedSlots
+            from fate_lab.offloading.slots import PackedSlots
 
             specs = tuple(dict.fromkeys(s for m in range(M) for s in self.quant.host_specs(m)))
             es = shape.expert_shapes()
@@ -437,7 +437,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     With `link` (an emulated link name), a second run loads every expert on demand over it and
     measures what the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`).
     """
-    from .runtime import offload
+    from fate_lab.offloading.runtime import offload
 
     cfg = OffloadConfig.preset("fate", all_resident=True, link="instant", quant=quant)
     with offload(model, cfg) as rt:

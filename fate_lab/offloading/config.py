@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .predictors import Percentile, SelectionRule
+from fate_lab.policy.predictors import Percentile, SelectionRule
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import dataclasses
 
 import pandas as pd
 
-from fate_lab.config import OffloadConfig
-from fate_lab.simulate import Hardware, ModelShape, calibrate_compute, simulate
+from fate_lab.offloading.config import OffloadConfig
+from fate_lab.sim.simulate import Hardware, ModelShape, calibrate_compute, simulate
 
 _hw_cache: dict = {}
 
@@ -23,9 +23,9 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -
     per (model, link) in this process: the same layer time scales the runtime's link and the simulator's."""
     import torch
 
-    from fate_lab.adapters import adapt
-    from fate_lab.links import resolve_link
-    from fate_lab.runtime import calibrate_layer_time
+    from fate_lab.model.adapters import adapt
+    from fate_lab.offloading.links import resolve_link
+    from fate_lab.offloading.runtime import calibrate_layer_time
 
     key = (id(model), link)
     if key not in _hw_cache:
@@ -70,8 +70,8 @@ def sim_table(trace, configs: dict[str, OffloadConfig], hardware: Hardware, shap
 def config_for(allocation: str, boundary: int, replacement: str, predictor: str, slots: int,
                calibration=None) -> OffloadConfig:
     """The runtime config a cache explorer's choices describe (prefetch as the `fate` preset moves it)."""
-    from fate_lab.allocation import lru_miss_curves
-    from fate_lab.predictors import Percentile
+    from fate_lab.policy.allocation import lru_miss_curves
+    from fate_lab.policy.predictors import Percentile
 
     base = OffloadConfig.preset("fate", slots=slots, replacement=replacement, allocation=allocation,
                                 shallow_layers=boundary)

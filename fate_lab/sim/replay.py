@@ -18,7 +18,7 @@ layer at a time, in the runtime's order:
 Layers are independent (each has its own slots, policy, predictions and staging pool), so
 results are computed per (layer, slots) and ``sweep`` reuses them across the boundary x budget
 grid. The replay has no clock: a prefetch always arrives. For time, the batched prefill step and
-the link, use ``fate_lab.simulate`` (same cache; equal counts with an instant link, tested).
+the link, use ``fate_lab.sim.simulate`` (same cache; equal counts with an instant link, tested).
 Prefill tokens are replayed one by one, in trace order. ``replay``/``sweep``/``miss_curves``
 accept a ``Trace`` or a plain ``[N, L, k]`` tensor, and ``slots_per_layer`` as a list or one int.
 """
@@ -30,11 +30,11 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from fate_lab.allocation import ShallowFavoringAllocation
-from fate_lab.cache import ExpertCache
-from fate_lab.predictors import SelectionRule
-from fate_lab.replacement import ReplacementPolicy, policy_from_name
-from fate_lab.stats import PHASES
+from fate_lab.policy.allocation import ShallowFavoringAllocation
+from fate_lab.policy.cache import ExpertCache
+from fate_lab.policy.predictors import SelectionRule
+from fate_lab.policy.replacement import ReplacementPolicy, policy_from_name
+from fate_lab.offloading.stats import PHASES
 
 Predictions = list  # list[N] of list[L] of (list[int] | None)
 PolicySpec = str | Callable[[int], ReplacementPolicy]
@@ -154,7 +154,7 @@ class ReplayResult:
 
 def _prepare(experts, predictions: Predictions | None, phase):
     """(uses per layer, predictions per layer, phase per token, L, k, phase given?) from a Trace or a tensor."""
-    from fate_lab.trace import Trace
+    from fate_lab.model.trace import Trace
 
     if isinstance(experts, Trace):
         phase = experts.phase if phase is None else phase

@@ -10,8 +10,8 @@ num_experts when ``cache_total >= num_layers * num_experts``.
 - ``MissCurveAllocation``: ours — the allocation that minimises the total misses predicted by
   per-layer miss curves measured on a calibration trace (exact dynamic programme).
 
-Not here: measuring miss curves with prefetching (``fate_lab.replay.miss_curves``) and turning
-bytes into slots (``fate_lab.planner``).
+Not here: measuring miss curves with prefetching (``fate_lab.sim.replay.miss_curves``) and turning
+bytes into slots (``fate_lab.policy.planner``).
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def lru_miss_curves(experts: Tensor, num_experts: int) -> list[list[int]]:
     """Misses of an LRU cache of each capacity 0..E, per layer, in one pass (stack distances).
 
     ``experts [N, L, k]``. Updates recency in the input order of a token's experts, so it equals
-    a replay that touches them in that order; ``fate_lab.replay`` follows the runtime's order (a
+    a replay that touches them in that order; ``fate_lab.sim.replay`` follows the runtime's order (a
     token's hits before its misses) and differs from it by a few misses per thousand uses. ``curves[l][c]`` = misses of layer l with c slots.
     """
     ex = torch.as_tensor(experts)
@@ -110,7 +110,7 @@ class MissCurveAllocation:
     """Minimise total predicted misses given per-layer miss curves (exact DP over layers).
 
     ``curves[l][c]`` = misses of layer l with c slots, c = 0..E (from ``lru_miss_curves`` or
-    ``fate_lab.replay.miss_curves``, which includes prefetching). Unlike a greedy marginal-gain
+    ``fate_lab.sim.replay.miss_curves``, which includes prefetching). Unlike a greedy marginal-gain
     allocator it is optimal on non-convex curves (a layer whose working set only fits at 6
     slots gains nothing from 3). Slots that reduce no misses are then handed out evenly, so the
     cache is never left empty for nothing.

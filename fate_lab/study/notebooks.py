@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 
 # Per-cell execution timeouts (seconds). A cell that stalls fails after this long, with a message
 # naming the notebook and the cell, instead of hanging a test run for 20 minutes. FAST cells
@@ -49,7 +49,7 @@ def dirty_notebooks(folder: Path = NOTEBOOK_DIR) -> list[str]:
 def cell_timeout(parameters: dict, timeout: int | None = None) -> int:
     """Seconds a cell may run: ``timeout`` if given, else ``$FATE_LAB_CELL_TIMEOUT``, else the
     FAST or full-size default (FAST as the notebook will see it, ``FATE_LAB_FAST`` included)."""
-    from fate_lab.lab import fast_mode
+    from fate_lab.study.lab import fast_mode
 
     if timeout is None and os.environ.get(CELL_TIMEOUT_ENV, "").strip():
         raw = os.environ[CELL_TIMEOUT_ENV]

@@ -1,0 +1,3 @@
+"""What the notebooks call: analysis of the paper's observations, tables, plots, widgets,
+benchmark helpers, the hardware tables and the notebook runner.
+"""
