@@ -192,3 +192,12 @@ def test_replay_equals_the_simulator_on_an_instant_link():
         rep = replay(tr, slots_per_layer=sim.slots_per_layer, policy=name)
         assert [s["decode"].hits for s in sim.stats.layers] == [p["hits"] for p in rep.per_layer], name
         assert [s["decode"].misses for s in sim.stats.layers] == [p["demand_loads"] for p in rep.per_layer], name
+
+
+def test_sweep_and_miss_curves_give_the_same_numbers_in_parallel():
+    torch.manual_seed(0)
+    ex = _skewed_trace(200, 3, 2, 8, seed=5)
+    a = sweep(ex, boundaries=[0, 1], budgets=[6, 12], num_experts=8, policy="arc")
+    b = sweep(ex, boundaries=[0, 1], budgets=[6, 12], num_experts=8, policy="arc", n_jobs=2)
+    assert a == b
+    assert miss_curves(ex, 8, policy="arc") == miss_curves(ex, 8, policy="arc", n_jobs=2)

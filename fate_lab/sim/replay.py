@@ -245,16 +245,22 @@ def sweep(
     policy_kw: dict | None = None,
     prefetch_buffer: int = 0,
     admit_prefetch: str = "on_load",
+    n_jobs: int = 1,
 ) -> dict[str, list]:
     """Replay every (shallow boundary L, cache_total) pair; columns of a table (``pd.DataFrame(out)``).
 
     ``budgets`` are ``cache_total`` slot counts; ``allocation(L)`` builds the allocator (Fate's
     shallow-favoring one by default). Layer results are cached per (layer, slots), so the grid
-    costs at most ``num_layers * (num_experts + 1)`` layer replays.
+    costs at most ``num_layers * (num_experts + 1)`` layer replays, which run in ``n_jobs`` processes
+    (joblib; -1: every core; a cluster user can wrap the call in ``joblib.parallel_backend("ray")``).
     """
     uses, preds, phases, L, top_k, has_phase = _prepare(experts, predictions, phase)
     kw = policy_kw or {}
-    memo: dict[tuple[int, int], dict] = {}
+    pairs = sorted({(l, s) for b in boundaries for budget in budgets
+                    for l, s in enumerate(allocation(b).allocate(budget, L, num_experts))})
+    memo = dict(zip(pairs, _parallel(n_jobs, [
+        (uses[l], None if preds is None else preds[l], phases, policy, s, kw, prefetch_buffer, top_k, admit_prefetch)
+        for l, s in pairs])))
     cols: dict[str, list] = {k: [] for k in ("boundary", "cache_total", "slots", "hit_rate", "hit_rate_prefill",
                                              "hit_rate_decode", "misses", "bytes_moved", "prefetch_loads",
                                              "prefetch_wasted")}
@@ -264,10 +270,6 @@ def sweep(
             slots = alloc.allocate(budget, L, num_experts)
             counts = []
             for l, s in enumerate(slots):
-                if (l, s) not in memo:
-                    pol = _make_policy(policy, s, uses[l], kw)
-                    memo[(l, s)] = _replay_layer(uses[l], None if preds is None else preds[l], phases, pol,
-                                                 prefetch_buffer, top_k, admit_prefetch)
                 counts.append(memo[(l, s)])
             r = _combine(counts, slots, expert_bytes, has_phase).overall
             cols["boundary"].append(b)
@@ -287,19 +289,29 @@ def miss_curves(
     policy_kw: dict | None = None,
     prefetch_buffer: int = 0,
     admit_prefetch: str = "on_load",
+    n_jobs: int = 1,
 ) -> list[list[int]]:
     """``curves[l][c]`` = misses of layer l with c slots (c = 0..E), prefetching included.
 
     Feed to ``allocation.MissCurveAllocation`` to allocate for the policy and predictor in use.
+    The L x (E + 1) layer replays run in ``n_jobs`` processes (joblib; -1: every core).
     """
     uses, preds, phases, L, k, _ = _prepare(experts, predictions, None)
     kw = policy_kw or {}
-    curves = []
-    for l in range(L):
-        curve = []
-        for c in range(num_experts + 1):
-            r = _replay_layer(uses[l], None if preds is None else preds[l], phases, _make_policy(policy, c, uses[l], kw),
-                              prefetch_buffer, k, admit_prefetch)
-            curve.append(r["uses"] - r["hits"])
-        curves.append(curve)
-    return curves
+    jobs = [(uses[l], None if preds is None else preds[l], phases, policy, c, kw, prefetch_buffer, k, admit_prefetch)
+            for l in range(L) for c in range(num_experts + 1)]
+    res = _parallel(n_jobs, jobs)
+    return [[r["uses"] - r["hits"] for r in res[l * (num_experts + 1):(l + 1) * (num_experts + 1)]] for l in range(L)]
+
+
+def _one(uses, preds, phases, policy, capacity, kw, buffer, top_k, admit) -> dict[str, int]:
+    return _replay_layer(uses, preds, phases, _make_policy(policy, capacity, uses, kw), buffer, top_k, admit)
+
+
+def _parallel(n_jobs: int, jobs: list[tuple]) -> list[dict]:
+    """Layer replays in order, in n_jobs joblib workers (1: here, no processes)."""
+    if n_jobs == 1 or len(jobs) < 2:
+        return [_one(*j) for j in jobs]
+    from joblib import Parallel, delayed
+
+    return Parallel(n_jobs=n_jobs)(delayed(_one)(*j) for j in jobs)
