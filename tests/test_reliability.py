@@ -130,3 +130,47 @@ def test_the_runtimes_own_threads_end_with_close():
 def test_bad_config_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         OffloadConfig.preset("fate", **{field: value})
+
+
+def test_close_gives_back_exactly_the_tensors_it_took_on_cpu():
+    model = tiny_model("qwen2_moe", seed=0)
+    a = adapt(model)
+    before = [(a.experts_module(m).gate_up_proj, a.experts_module(m).down_proj) for m in range(a.num_moe_layers)]
+    with offload(model, OffloadConfig.preset("fate", link="instant", slots=2)):
+        _gen(model, _ids(model))
+    after = [(a.experts_module(m).gate_up_proj, a.experts_module(m).down_proj) for m in range(a.num_moe_layers)]
+    assert all(x is y for pb, pa in zip(before, after) for x, y in zip(pb, pa))
+
+
+def _saved(model, tmp_path):
+    model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    return str(tmp_path / "ckpt")
+
+
+def test_ssd_store_refuses_a_checkpoint_that_is_not_the_model(tmp_path):
+    model = tiny_model("qwen2_moe", seed=0)
+    ckpt = _saved(model, tmp_path)
+    a = adapt(model)
+    with torch.no_grad():
+        a.experts_module(1).down_proj[3, -1, 0] += 1.0  # one edited weight of expert 3, layer 1
+    with pytest.raises(ValueError, match=r"experts\.3\.down_proj.*differs from the in-memory model's expert 3 of MoE layer 1"):
+        offload(model, OffloadConfig.preset("lru", link="instant", slots=2, store="ssd", checkpoint=ckpt))
+    assert _restored(model)
+    other = tiny_model("qwen2_moe", seed=0, hidden_size=48)  # another hidden size
+    with pytest.raises(ValueError, match="has shape"):
+        offload(other, OffloadConfig.preset("lru", link="instant", slots=2, store="ssd", checkpoint=ckpt))
+
+
+def test_ssd_store_survives_its_file_vanishing_and_keeps_the_original_error(tmp_path):
+    import shutil
+
+    model = tiny_model("qwen2_moe", seed=0)
+    ids = _ids(model)
+    ref = _gen(model, ids)
+    ckpt = _saved(model, tmp_path)
+    with pytest.raises(KeyError, match="the error that ended the block"):
+        with offload(model, OffloadConfig.preset("load_on_demand", link="instant", store="ssd", checkpoint=ckpt)):
+            assert torch.equal(_gen(model, ids), ref)
+            shutil.rmtree(ckpt)  # unreadable while offloaded
+            raise KeyError("the error that ended the block")
+    assert _restored(model) and torch.equal(_gen(model, ids), ref)

@@ -78,18 +78,33 @@ def detach(adapter: MoEAdapter, prev_impl: str | None) -> None:
         adapter.model.set_experts_implementation(prev_impl)
 
 
-def free_fused_experts(adapter: MoEAdapter, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace the fused expert tensors by empty ones: the device keeps no routed expert."""
+def free_fused_experts(adapter: MoEAdapter, dtype: torch.dtype, device: torch.device) -> list[tuple]:
+    """Replace the fused expert tensors by empty ones: the device keeps no routed expert.
+
+    Returns the (gate_up, down) Parameters it took, per MoE layer: on a CPU "device" the caller keeps
+    them (they are host memory already, so keeping them costs nothing) and puts them back on close.
+    """
+    taken = []
     for m in range(adapter.num_moe_layers):
         mod = adapter.experts_module(m)
+        taken.append((mod.gate_up_proj, mod.down_proj))
         for name in ("gate_up_proj", "down_proj"):
             setattr(mod, name, nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False))
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return taken
+
+
+def put_back(adapter: MoEAdapter, taken: list[tuple]) -> None:
+    """Give the experts modules exactly the Parameters `free_fused_experts` took."""
+    for m, (gate_up, down) in enumerate(taken):
+        mod = adapter.experts_module(m)
+        mod.gate_up_proj, mod.down_proj = gate_up, down
 
 
 def restore_fused_experts(adapter: MoEAdapter, store: HostStore, device: torch.device) -> None:
-    """Put every layer's fused expert tensors back on the device from the host store."""
+    """Put every layer's fused expert tensors back on the device from the host store (a device that is
+    not the host: the tensors the runtime took were freed there)."""
     for m in range(adapter.num_moe_layers):
         mod = adapter.experts_module(m)
         gate_up, down = store.layer(m)  # (E, 2I, H), (E, H, I)

@@ -176,13 +176,15 @@ class Runtime:
         if config.link not in LINK_PROFILES and config.link != "instant":
             self.layer_compute_s = config.layer_compute_s or calibrate_layer_time(model, config.calibration_steps)
         self._closed = True  # until the hook-up is complete
-        hookup.free_fused_experts(a, self.dtype, self.device)
+        taken = hookup.free_fused_experts(a, self.dtype, self.device)
+        # on a CPU the tensors taken are host memory already: keep them (no copy) and give exactly them back
+        self._taken = taken if self.device.type == "cpu" else None
         try:
             self._build_rest(model, config)
         except BaseException:
             if getattr(self, "engine", None) is not None:
                 self.engine.close()
-            hookup.restore_fused_experts(a, self.store, self.device)
+            self._give_back()
             raise
 
     @torch.no_grad()
@@ -266,6 +268,7 @@ class Runtime:
             if cfg.checkpoint is None:
                 raise ValueError("store='ssd' needs checkpoint=<safetensors file or folder of the model>")
             base = SafetensorsStore(cfg.checkpoint, a.moe_layers, a.num_experts, self.dtype)
+            base.verify(a)  # refuse a checkpoint that is not these weights, before anything is freed
         if self.quant is None:
             return base
         return QuantizedStore(base, [self.quant.host_specs(m) for m in range(a.num_moe_layers)], pin=pin)
@@ -446,13 +449,27 @@ class Runtime:
         hookup.detach(self.adapter, self._prev_impl if restore else None)
         self.slots = None  # the slots go before the fused tensors come back
         if restore:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """The experts go back into the model: the very tensors taken (CPU), or copies from the host store."""
+        if self._taken is not None:
+            hookup.put_back(self.adapter, self._taken)
+        else:
             hookup.restore_fused_experts(self.adapter, self.store, self.device)
 
     def __enter__(self) -> "Runtime":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except Exception as close_error:
+            if exc_type is None:
+                raise
+            import warnings  # the error that ended the block goes on; this one must not hide it
+
+            warnings.warn(f"closing the offloaded runtime also failed: {close_error!r}", RuntimeWarning, stacklevel=2)
 
     def __del__(self) -> None:
         try:

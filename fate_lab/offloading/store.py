@@ -113,9 +113,12 @@ class RamStore(HostStore):
 
     @classmethod
     def from_adapter(cls, adapter, pin: bool = False) -> "RamStore":
-        """Copy every expert out of the model's fused tensors into host RAM (pinned if pin)."""
+        """Every expert of the model in host RAM: views of the fused tensors when they already live in
+        host memory and need no pinning (no copy), else a (pinned if pin) host copy."""
 
         def host(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "cpu" and not pin:
+                return t.detach()  # a view: the model's own bytes, not a second copy
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             out.copy_(t.detach())
             return out
@@ -213,6 +216,47 @@ class SafetensorsStore(HostStore):
             gate_up = torch.cat([parts["gate"], parts["up"]], dim=0)  # (2I, H)
             down = parts["down"]  # (H, I)
         return ExpertTensors(gate_up.to(self.dtype).contiguous(), down.to(self.dtype).contiguous())
+
+    def verify(self, adapter) -> None:
+        """Refuse a checkpoint that is not the in-memory model: every expert's keys, shapes, dtypes, and its
+        first and last rows (gate, up, down) must equal the model's; the error names the first difference.
+        Reads only those rows, so it is cheap enough to run at every offload."""
+        inter = adapter.expert_intermediate_size
+        for m in range(self.num_moe_layers):
+            mod = adapter.experts_module(m)
+            for e in range(self.num_experts):
+                mine = {"gate": mod.gate_up_proj[e, :inter], "up": mod.gate_up_proj[e, inter:], "down": mod.down_proj[e]}
+                spec = self._keys[m][e]
+                for role, ref in mine.items():
+                    if "fused" in spec:
+                        (f_gu, k_gu), (f_d, k_d) = spec["fused"]
+                        file, key = (f_d, k_d) if role == "down" else (f_gu, k_gu)
+                    else:
+                        file, key = spec[role]
+                    with safe_open(str(file), framework="pt") as f:
+                        sl = f.get_slice(key)
+                        shape = list(sl.get_shape())
+                        if "fused" in spec:
+                            want = [self.num_experts, *mod.gate_up_proj.shape[1:]] if role != "down" else \
+                                [self.num_experts, *mod.down_proj.shape[1:]]
+                        else:
+                            want = list(ref.shape)
+                        if shape != want:
+                            raise ValueError(f"checkpoint {file.name}: {key} has shape {shape}, the model's expert "
+                                             f"{e} of MoE layer {m} ({role}) {want}: not this model's checkpoint")
+                        if "fused" in spec:
+                            rows = sl[e]  # (2I, H) or (H, I)
+                            rows = rows[:inter] if role == "gate" else rows[inter:] if role == "up" else rows
+                            got = torch.stack([rows[0], rows[-1]])
+                        else:
+                            got = torch.cat([sl[0:1], sl[shape[0] - 1:shape[0]]])  # first and last rows only
+                    if got.dtype != ref.dtype and not torch.equal(got.to(ref.dtype).to(got.dtype), got):
+                        raise ValueError(f"checkpoint {file.name}: {key} is {got.dtype}, which {ref.dtype} cannot hold "
+                                         "exactly")
+                    if not torch.equal(got.to(ref.dtype), torch.stack([ref[0], ref[-1]]).detach().cpu()):
+                        raise ValueError(f"checkpoint {file.name}: {key} differs from the in-memory model's expert {e} "
+                                         f"of MoE layer {m} ({role}): the checkpoint is not these weights (edited "
+                                         "or another model); save the model (save_pretrained) and pass that folder")
 
     def describe(self) -> str:
         """'ssd (<path>)'."""
