@@ -223,8 +223,8 @@ def test_emulated_link_holds_for_the_packed_bytes_and_dequantizes_into_the_slot(
         f = eng.submit(1, 5, 1)
         assert eng.wait(q) and eng.wait(f)
         assert q.nbytes == 6912 and f.nbytes == fp_bytes == 49152
-        assert 0.2 * 6912 / 49152 <= q.t_end - q.t_start < 0.2 * 6912 / 49152 + 0.02  # ~28 ms, not 200
-        assert f.t_end - f.t_start >= 0.2
+        assert q.t_end - q.t_start >= 0.2 * 6912 / 49152 and f.t_end - f.t_start >= 0.2  # held for its bytes
+        assert q.t_end - q.t_start < f.t_end - f.t_start  # the packed expert holds the link for less
         packed = store.fetch_at(0, 3, int4)
         torch.testing.assert_close(gu[0], packed.gate_up.dequantize(), rtol=0, atol=0)
         torch.testing.assert_close(dn[0], packed.down.dequantize(), rtol=0, atol=0)

@@ -122,15 +122,11 @@ def test_from_routing_array_lengths_give_prompt_ids_and_positions():
         from_routing_array(arr, num_experts=4, lengths=[5], prompt_id=[0] * 5)
 
 
-def test_from_routing_array_is_vectorised_on_a_large_array():
-    import time
-
+def test_from_routing_array_on_a_large_array():
+    """A real tool's size (speed is a benchmark matter: ~0.05 s here, not asserted)."""
     n, layers, k, e, prompts = 180_000, 26, 6, 64, 1000  # 180 tokens per prompt
     arr = _distinct_routing(n, layers, k, e, dtype=torch.int8)
-    start = time.perf_counter()
     t = from_routing_array(arr, num_experts=e, lengths=[n // prompts] * prompts, phase="decode")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"from_routing_array took {elapsed:.2f} s for {n} x {layers} x {k}"  # ~0.05 s here
     assert t.experts.dtype == torch.int8 and t.num_tokens == n
     assert t.position[[0, 179, 180, -1]].tolist() == [0, 179, 0, 179]
     assert t.prompt_id[[0, 179, 180, -1]].tolist() == [0, 0, 1, prompts - 1]
