@@ -23,7 +23,7 @@ _EXPORTS = {
     "simulate": "fate_lab.sim.simulate",
     "Hardware": "fate_lab.sim.simulate",
     "ModelShape": "fate_lab.sim.simulate",
-    "calibrate_compute": "fate_lab.sim.simulate",
+    "calibrate_compute": "fate_lab.sim.calibrate",
 }
 
 __all__ = sorted(_EXPORTS)

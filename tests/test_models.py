@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from fate_lab.model.models import load_model
 from fate_lab.paths import TINY_MOE_DIR

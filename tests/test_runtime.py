@@ -270,3 +270,17 @@ def test_each_preset_does_what_its_name_says():
     assert summary["lru"][1] == [2] * a.num_moe_layers  # uniform
     assert summary["fate"][1][0] > summary["fate"][1][-1]  # shallow-favoring
     assert isinstance(Runtime, type)
+
+
+def test_every_allocation_runs_in_the_runtime():
+    """miss_curve included: calibrated at offload time when no curves are given (it raised a TypeError before)."""
+    model = tiny_model("qwen2_moe", seed=0)
+    ids = _prompt(model.config.vocab_size)
+    ref_tokens, _ = _generate(model, ids)
+    a = adapt(model)
+    for alloc in ("uniform", "shallow", "miss_curve"):
+        with offload(model, OffloadConfig.preset("fate", link="instant", slots=a.num_moe_layers * 2,
+                                                 allocation=alloc)) as rt:
+            tokens, _ = _generate(model, ids)
+            assert sum(rt.slots_per_layer) == a.num_moe_layers * 2
+        assert torch.equal(tokens, ref_tokens), alloc

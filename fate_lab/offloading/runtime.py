@@ -21,7 +21,6 @@ Letters: T tokens, K experts per token (top-k), H hidden, I expert intermediate,
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import Counter
@@ -35,7 +34,8 @@ from fate_lab.model.adapters import MoEAdapter, adapt
 from fate_lab.policy.allocation import lru_miss_curves
 from fate_lab.policy.cache import ExpertCache
 from fate_lab.offloading.config import OffloadConfig
-from fate_lab.offloading.hookup import StepwiseForward, StepwiseOutput  # noqa: F401  (public, re-exported)
+from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, EngineLink
+from fate_lab.offloading.hookup import StepwiseForward  # public here too, as the first version had it
 from fate_lab.offloading.links import LINK_PROFILES, LinkProfile, resolve_link
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
@@ -45,93 +45,12 @@ from fate_lab.offloading.slots import DeviceSlots, FullSlots, PackedSlots
 from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
 from fate_lab.policy.step import run_layer
 from fate_lab.offloading.store import HostStore, QuantizedStore, RamStore, SafetensorsStore
-from fate_lab.offloading.transfer import (CudaCopyEngine, EmulatedLink, InstantLink, Transfer, TransferEngine, TransferError,
+from fate_lab.offloading.transfer import (CudaCopyEngine, EmulatedLink, InstantLink, TransferEngine, TransferError,
                        calibrate_layer_time)
 
-__all__ = ["OffloadConfig", "Runtime", "offload", "calibrate_layer_time", "StepwiseForward", "spec_label"]
+__all__ = ["OffloadConfig", "Runtime", "offload", "calibrate_layer_time", "StepwiseForward"]
 
 _SCRATCH_SLOTS = 1  # full-precision experts a packed-slot (quantized) runtime dequantizes into
-_STALL_MIN_S = 2e-5  # a wait shorter than this is bookkeeping, not a stall
-_EMA = 0.3  # weight of the newest step in the per-phase layer-time estimate
-
-
-def spec_label(spec: QuantSpec | None) -> str:
-    """A short name of a transfer precision for counters: 'fp', 'int4/g64', ..."""
-    return "fp" if spec is None else f"int{spec.bits}/g{spec.group_size}" + ("/hqq" if spec.refine else "")
-
-
-def link_capacity(window_s: float | None, backlog_s: float, transfer_s: float) -> int | None:
-    """Prefetches a link can *start* within window_s when backlog_s of work is already queued.
-
-    None (no limit) without a window estimate or with a zero-time link. A transfer that starts
-    inside the window but lands after it still saves part of the wait, so this counts starts:
-    ceil((window - backlog) / transfer), at least 0.
-    """
-    if window_s is None or transfer_s <= 0:
-        return None
-    return max(0, math.ceil((window_s - backlog_s) / transfer_s - 1e-9))
-
-
-class EngineLink:
-    """The cache's driver over a real transfer engine: counts bytes, stall and the timeline."""
-
-    def __init__(self, rt: "Runtime", engine: TransferEngine):
-        self.rt, self.engine = rt, engine
-
-    def submit(self, m: int, e: int, slot: int, urgent: bool, reason: str) -> Transfer:
-        """Queue (m, e) on the engine at the precision of reason."""
-        t = self.engine.submit(m, e, slot, urgent=urgent, spec=self.rt.spec(m, reason))
-        t.reason = reason
-        return t
-
-    def cancel(self, t: Transfer) -> bool:
-        """Drop t if not started."""
-        return self.engine.cancel(t)
-
-    def _record(self, t: Transfer) -> None:
-        if t.counted:
-            return
-        t.counted = True
-        rt = self.rt
-        if t.ok:
-            rt.stats.layers[t.m][rt.phase].bytes_moved += t.nbytes
-            rt.stats.moved[rt.phase, t.m, spec_label(t.spec)] += 1
-        if t.t_start is not None and t.t_end is not None:
-            rt.event("demand" if t.urgent else "prefetch", t.m, t.e, t.t_start, t.t_end)
-
-    def poll(self, t: Transfer) -> bool | None:
-        """None while in flight, else whether it landed."""
-        if not self.engine.poll(t):
-            return None
-        self._record(t)
-        return t.ok
-
-    def wait(self, m: int, e: int, t: Transfer) -> bool:
-        """Block until t is done; the wait is layer m's stall."""
-        w0 = time.perf_counter()
-        ok = self.engine.wait(t)
-        self._record(t)
-        self.rt.stall(m, e, w0, time.perf_counter())
-        return ok
-
-    def reload(self, m: int, e: int, slot: int, reason: str) -> None:
-        """Synchronous reload after a failed transfer (counted as moved bytes and as stall)."""
-        rt, spec = self.rt, self.rt.spec(m, reason)
-        w0 = time.perf_counter()
-        self.engine.load_now(m, e, slot, spec)
-        rt.stats.layers[m][rt.phase].bytes_moved += self.engine.nbytes(m, e, spec)
-        rt.stats.moved[rt.phase, m, spec_label(spec)] += 1
-        rt.event("sync_load", m, e, w0, time.perf_counter())
-        rt.stall(m, e, w0, time.perf_counter())
-
-    def capacity(self, m: int) -> int | None:
-        """Prefetches the link can start before layer m's call, from the measured layer time."""
-        if self.engine.link is None:
-            return None
-        spec = self.rt.spec(m, "prefetch")
-        w = self.rt.window_s.get(self.rt.phase)
-        return link_capacity(None if w is None else w * self.rt.config.prefetch_window, self.engine.backlog_s(),
-                             self.engine.link.transfer_time(self.engine.nbytes(m, 0, spec)))
 
 
 class Runtime:
@@ -316,7 +235,7 @@ class Runtime:
             self.stats.forward_s[self.phase].append(dt)
             layer_s = max(dt - self._stall_in_forward, 0.0) / len(getattr(self.model, "model", self.model).layers)
             old = self.window_s.get(self.phase)
-            self.window_s[self.phase] = layer_s if old is None else (1 - _EMA) * old + _EMA * layer_s
+            self.window_s[self.phase] = layer_s if old is None else (1 - WINDOW_EMA) * old + WINDOW_EMA * layer_s
         finally:
             self._owner = None
             self._lock.release()
@@ -374,7 +293,7 @@ class Runtime:
     # --- counters -------------------------------------------------------------------------
     def stall(self, m: int, e: int, w0: float, w1: float) -> None:
         """Count a wait of the compute thread for (m, e) as stall, if it was one."""
-        if w1 - w0 > _STALL_MIN_S:
+        if w1 - w0 > STALL_MIN_S:
             self.stats.layers[m][self.phase].stall_s += w1 - w0
             self._stall_in_forward += w1 - w0
             self.event("stall", m, e, w0, w1)

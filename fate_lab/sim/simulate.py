@@ -12,7 +12,7 @@ own `RuntimeStats` (so every table and plot reads both alike), its timeline form
 predicted time to first token and decode tokens/s.
 
 Hardware: `ComputeProfile`s are calibrated on this machine from the runtime itself
-(`calibrate_compute`), or named for real setups in `COMPUTE_PROFILES` (each number with its
+(`calibrate.calibrate_compute`), or named for real setups in `COMPUTE_PROFILES` (each number with its
 source); links are `links.LinkProfile`s. With the link "instant" the simulator's counts equal
 the runtime's exactly (tested); with a timed link they are predictions, checked against the
 runtime in `benchmarks/bench_sim_vs_runtime.py`.
@@ -20,24 +20,22 @@ What it is not: no tensors move and no expert computes here.
 """
 from __future__ import annotations
 
-import math
-import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from fate_lab.policy.cache import ExpertCache
 from fate_lab.offloading.config import OffloadConfig
-from fate_lab.offloading.links import LINK_PROFILES, LinkProfile, resolve_link
+from fate_lab.offloading.links import LINK_PROFILES, LinkProfile
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
 from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
 from fate_lab.policy.replacement import policy_from_name
-from fate_lab.offloading.runtime import _STALL_MIN_S, _EMA, link_capacity, spec_label
+from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, link_capacity, spec_label
 from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
 from fate_lab.policy.step import run_layer
-from fate_lab.model.trace import DECODE, PREFILL, Trace
+from fate_lab.model.trace import PREFILL, Trace
 
 _SCRATCH_SLOTS = 1
 
@@ -336,7 +334,7 @@ class _Sim:
             tl.append((kind, m, e, t0, t1))
 
     def stall(self, m: int, e: int, w0: float, w1: float) -> None:
-        if w1 - w0 > _STALL_MIN_S:
+        if w1 - w0 > STALL_MIN_S:
             self.stats.layers[m][self.phase].stall_s += w1 - w0
             self._stall_in_forward += w1 - w0
             self.event("stall", m, e, w0, w1)
@@ -384,7 +382,7 @@ class _Sim:
         self.stats.forward_s[self.phase].append(dt)
         layer_s = max(dt - self._stall_in_forward, 0.0) / self.shape.num_layers
         old = self.window_s.get(self.phase)
-        self.window_s[self.phase] = layer_s if old is None else (1 - _EMA) * old + _EMA * layer_s
+        self.window_s[self.phase] = layer_s if old is None else (1 - WINDOW_EMA) * old + WINDOW_EMA * layer_s
         return dt
 
 
@@ -423,94 +421,3 @@ def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: Mod
     pre, dec = sim.stats.forward_s["prefill"], sim.stats.forward_s["decode"]
     return SimResult(sim.stats, sum(pre) / len(pre) if pre else float("nan"),
                      len(dec) / sum(dec) if dec and sum(dec) > 0 else float("nan"), list(sim.slots_per_layer), hardware)
-
-
-# ----------------------------------------------------------------------------- calibration
-
-
-def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
-                      name: str = "this machine", link: str | None = None,
-                      layer_compute_s: float | None = None) -> ComputeProfile:
-    """A `ComputeProfile` measured from the runtime itself: every expert resident, instant link, timeline on.
-
-    Decode figures are medians over the decode steps; prefill's per-token slopes come from the prompt.
-    With `link` (an emulated link name), a second run loads every expert on demand over it and
-    measures what the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`).
-    """
-    from fate_lab.offloading.runtime import offload
-
-    cfg = OffloadConfig.preset("fate", all_resident=True, link="instant", quant=quant)
-    with offload(model, cfg) as rt:
-        model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        rt.reset_stats()  # the first run warmed up; measure the second
-        model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        st, tl = rt.stats, rt.stats.timeline
-        M, L, T = rt.adapter.num_moe_layers, len(getattr(model, "model", model).layers), prompt_ids.shape[1]
-        K = rt.top_k
-        pre_end = st.forward_s["prefill"][0]  # one prefill forward
-        p = st.total("prefill")
-
-    def med(xs: list[float]) -> float:
-        xs = sorted(xs)
-        return xs[len(xs) // 2] if xs else 0.0
-
-    comp = [ev[4] - ev[3] for ev in tl if ev[0] == "compute"]  # chronological: the prefill's come first
-    pred = [ev[4] - ev[3] for ev in tl if ev[0] == "predict"]
-    n_pre = p.uses
-    expert_s = med(comp[n_pre:])
-    predict_s = med(pred[M - 1:])
-    expert_tok = max(0.0, (sum(comp[:n_pre]) - n_pre * expert_s) / max(1, M * T * K - n_pre))
-    pre_pred = pred[:M - 1]
-    predict_tok = max(0.0, (sum(pre_pred) / max(1, len(pre_pred)) - predict_s) / max(1, T - 1))
-    d = st.total("decode")
-    n_dec = len(st.forward_s["decode"])
-    call_total = d.compute_s / max(1, n_dec)  # experts-call wall time per decode forward, all layers
-    in_calls = (sum(comp[n_pre:]) + sum(pred[M - 1:])) / max(1, n_dec)
-    call_s = max(0.0, (call_total - in_calls) / M)
-    fwd = med(st.forward_s["decode"])
-    dense_s = max(0.0, (fwd - call_total) / L)
-    dense_tok = max(0.0, (pre_end - p.compute_s - L * dense_s) / max(1, L * (T - 1)))
-    cold = landed = extra = wake = 0.0
-    if link is not None:  # the same machine while an emulated link copies on the other core
-        cfg = OffloadConfig.preset("fate", link=link, layer_compute_s=layer_compute_s, quant=quant,
-                                   slots=M * rt.num_experts // 4)
-        with offload(model, cfg) as rt2:
-            model.generate(prompt_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-            rt2.reset_stats()
-            model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            st2, tl2 = rt2.stats, rt2.stats.timeline
-        skip = st2.total("prefill").uses  # the prefill's compute events come first
-        fresh, warm_c, cold_c, pred2, seen = set(), [], [], [], 0
-        for kind, m, e, a0, a1 in tl2:
-            if kind in ("demand", "prefetch", "sync_load"):
-                fresh.add((m, e))
-            elif kind == "compute":
-                seen += 1
-                if seen > skip:
-                    (cold_c if (m, e) in fresh else warm_c).append(a1 - a0)
-                fresh.discard((m, e))
-            elif kind == "predict":
-                pred2.append(a1 - a0)
-        nominal = rt2.link.transfer_time(rt2.expert_bytes)
-        moves = [(m, e, a0, a1) for kind, m, e, a0, a1 in tl2 if kind in ("demand", "prefetch")]
-        extra = med([a1 - a0 - nominal for _, _, a0, a1 in moves])
-        landed_at: dict = {}
-        wakes = []
-        for kind, m, e, a0, a1 in tl2:
-            if kind in ("demand", "prefetch"):
-                landed_at[m, e] = a1
-            elif kind == "stall" and (m, e) in landed_at and landed_at[m, e] <= a1:
-                wakes.append(a1 - landed_at[m, e])
-        wake = med(wakes)
-        d2, n2 = st2.total("decode"), len(st2.forward_s["decode"])
-        expert_s = med(warm_c) or expert_s
-        cold = max(0.0, med(cold_c) - expert_s)
-        predict_s = med(pred2[M - 1:]) or predict_s
-        in_calls2 = (sum(warm_c) + sum(cold_c) + sum(pred2[M - 1:]) + d2.stall_s) / n2
-        call_s = max(0.0, (d2.compute_s / n2 - in_calls2) / M)
-        dense_part = (sum(st2.forward_s["decode"]) - d2.compute_s) / n2  # per token, outside experts calls
-        landed = max(0.0, (dense_part - L * dense_s) / max(1.0, d2.bytes_moved / rt.expert_bytes / n2))
-    return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok, cold,
-                          landed, max(0.0, extra), wake, f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime "
-                          f"(all resident, instant link, {new_tokens} tokens, quant={quant}"
-                          + (f"; cold experts over {link}" if link else "") + ")")

@@ -13,7 +13,8 @@ import dataclasses
 import pandas as pd
 
 from fate_lab.offloading.config import OffloadConfig
-from fate_lab.sim.simulate import Hardware, ModelShape, calibrate_compute, simulate
+from fate_lab.sim.calibrate import calibrate_compute
+from fate_lab.sim.simulate import Hardware, ModelShape, simulate
 
 _hw_cache: dict = {}
 
