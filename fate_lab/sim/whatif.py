@@ -88,3 +88,26 @@ def config_for(allocation: str, boundary: int, replacement: str, predictor: str,
     if predictor == "cross-layer percentile 75":
         return dataclasses.replace(base, rule=Percentile(75.0))
     raise ValueError(f"the simulator runs the predictors the runtime has; {predictor!r} is replay-only")
+
+
+def ratio_curve(trace, configs: dict[str, OffloadConfig], compute, shape: ModelShape, layer_s: float,
+                ratios=(0.25, 0.5, 1.0, 2.0, 2.9, 4.0), slots: int | None = None) -> pd.DataFrame:
+    """Predicted decode tok/s of each config over links whose one-expert transfer takes r x `layer_s`
+    (r = the transfer/compute ratio), on `compute`: one row per (ratio, config)."""
+    from fate_lab.offloading.links import LinkProfile
+
+    rows = []
+    for r in ratios:
+        link = LinkProfile(f"ratio {r}", shape.nbytes(None) / (r * layer_s), 0.0)
+        hw = Hardware(compute, link)
+        for name, cfg in configs.items():
+            cfg = cfg if slots is None else dataclasses.replace(cfg, slots=slots, budget=None)
+            rows.append({"ratio": r, "config": name, "decode tok/s": simulate(trace, cfg, hw, shape).decode_tok_s})
+    return pd.DataFrame(rows)
+
+
+def link_ratio(link: str, expert_bytes: int, layer_s: float) -> float:
+    """The transfer/compute ratio r of a named link for an expert of expert_bytes and a layer of layer_s."""
+    from fate_lab.offloading.links import resolve_link
+
+    return resolve_link(link, expert_bytes, layer_s).transfer_time(expert_bytes) / layer_s

@@ -97,3 +97,25 @@ def timeline(events: pd.DataFrame, title: str = "Compute vs transfers"):
     ax.set_title(title)
     fig.tight_layout()
     return fig
+
+
+def speedup_vs_ratio(curve: pd.DataFrame, points: pd.DataFrame, over: str = "lru", of: str = "fate"):
+    """`of`'s decode speed-up over `over` against the link's transfer/compute ratio: the simulator's
+    curve (`whatif.ratio_curve`) and the runtime's measured points (columns ratio, config, decode tok/s)."""
+    def speedup(df: pd.DataFrame) -> pd.DataFrame:
+        wide = df.pivot_table(index="ratio", columns="config", values="decode tok/s")
+        return (wide[of] / wide[over]).rename("speedup").reset_index()
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    sim = speedup(curve)
+    ax.plot(sim["ratio"], sim["speedup"], marker="o", label="simulator (this CPU's profile)")
+    run = speedup(points)
+    ax.scatter(run["ratio"], run["speedup"], s=80, color="black", zorder=3, label="runtime (measured)")
+    ax.axhline(1.0, color="grey", lw=1, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("one expert's transfer time / one layer's compute time (log scale)")
+    ax.set_ylabel(f"decode speed-up of {of} over {over}")
+    ax.set_title(f"Where prediction pays: {of} vs {over} over link speeds")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    return ax
