@@ -12,11 +12,31 @@ import torch
 
 sns.set_theme(context="notebook", style="whitegrid")
 
+# Legend text for the column names the analysis tables use (anything else: underscores become spaces)
+LABELS = {"cosine": "same token, adjacent layers", "cosine_other_token": "different tokens (baseline)",
+          "hit_rate": "hit rate", "hit_rate_prefill": "prefill", "hit_rate_decode": "decode",
+          "recall": "recall", "precision": "precision", "mean_set_size": "mean set size"}
+
+
+def pretty(name: str) -> str:
+    """A reader's label for a column or category name."""
+    return LABELS.get(name, str(name).replace("_", " "))
+
+
+def _pretty_legend(ax) -> None:
+    leg = ax.get_legend()
+    if leg is not None:
+        for text in leg.get_texts():
+            text.set_text(pretty(text.get_text()))
+        if leg.get_title() is not None:
+            leg.get_title().set_text(pretty(leg.get_title().get_text()))
+
 
 def memory_bars(breakdown: pd.DataFrame):
-    """Stacked bars of dense vs routed-expert bytes per model (GiB, log scale)."""
+    """Side-by-side bars of dense vs routed-expert bytes per model (GiB, log scale: the models span
+    four orders of magnitude, and stacked segments on a log axis would have meaningless lengths)."""
     df = breakdown[["dense_bytes", "expert_bytes"]] / 2**30
-    ax = df.plot.barh(stacked=True, figsize=(8, 0.6 * len(df) + 1.5), logx=True,
+    ax = df.plot.barh(stacked=False, figsize=(8, 0.8 * len(df) + 1.5), logx=True,
                       color=sns.color_palette("deep")[:2])
     ax.set_xlabel("weight memory (GiB, log scale)")
     ax.set_ylabel("")
@@ -47,10 +67,11 @@ def per_layer_lines(df: pd.DataFrame, y: str, hue: str | None = None, ylabel: st
     fig, ax = plt.subplots(figsize=(7, 3.8))
     sns.lineplot(data=df, x=x, y=y, hue=hue, marker="o", ax=ax)
     ax.set_xlabel("MoE layer" if x == "layer" else x)
-    ax.set_ylabel(ylabel or y)
+    ax.set_ylabel(ylabel or pretty(y))
     if ylim:
         ax.set_ylim(*ylim)
     ax.set_title(title)
+    _pretty_legend(ax)
     fig.tight_layout()
     return fig
 
@@ -74,10 +95,11 @@ def grouped_bars(df: pd.DataFrame, x: str, y: str, hue: str, ylabel: str, title:
     fig, ax = plt.subplots(figsize=(8, 3.8))
     sns.barplot(data=df, x=x, y=y, hue=hue, ax=ax)
     ax.set_ylabel(ylabel)
-    ax.set_xlabel(x)
+    ax.set_xlabel("MoE layer" if x == "layer" else pretty(x))
     if ylim:
         ax.set_ylim(*ylim)
     ax.set_title(title)
+    _pretty_legend(ax)
     fig.tight_layout()
     return fig
 
@@ -86,15 +108,15 @@ def timeline(events: pd.DataFrame, title: str = "Compute vs transfers"):
     """A Gantt chart of runtime events: columns kind, lane, t_start, t_end (seconds)."""
     lanes = list(dict.fromkeys(events["lane"]))
     colors = dict(zip(sorted(events["kind"].unique()), sns.color_palette("deep")))
-    fig, ax = plt.subplots(figsize=(10, 0.5 * len(lanes) + 1.5))
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(lanes) + 2.5))
     for _, ev in events.iterrows():
         ax.barh(lanes.index(ev["lane"]), (ev["t_end"] - ev["t_start"]) * 1e3, left=ev["t_start"] * 1e3,
                 color=colors[ev["kind"]], edgecolor="none", height=0.7)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_xlabel("time (ms)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="upper right", fontsize=8)
-    ax.set_title(title)
+    ax.legend(handles, list(colors), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="event")
+    ax.set_title(title, loc="left", wrap=True)
     fig.tight_layout()
     return fig
 
