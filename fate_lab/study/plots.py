@@ -141,3 +141,23 @@ def speedup_vs_ratio(curve: pd.DataFrame, points: pd.DataFrame, over: str = "lru
     ax.legend(loc="best")
     fig.tight_layout()
     return ax
+
+
+def quality_speed(df: pd.DataFrame, x: str = "decode tok/s", y: str = "perplexity change",
+                  size: str = "MiB / decode token", label: str = "preset"):
+    """Quality against speed, one point per preset, its area the bytes it moves per decode token."""
+    if label not in df.columns:  # the label is the table's index
+        df = df.rename_axis(label).reset_index()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    area = 600 * df[size] / max(float(df[size].max()), 1e-12) + 30
+    ax.scatter(df[x], 100 * df[y], s=area, alpha=0.6, color=sns.color_palette("deep")[0], edgecolor="black")
+    for _, r in df.iterrows():
+        ax.annotate(f"{r[label]}\n{r[size]:.2f} MiB/token", (r[x], 100 * r[y]), textcoords="offset points",
+                    xytext=(8, 6), fontsize=8)
+    ax.axhline(0.0, color="grey", lw=1, ls="--")
+    ax.set_xlabel(pretty(x))
+    ax.set_ylabel("perplexity change vs full precision (%)")
+    ax.set_title("Quality, speed and bytes moved (area: MiB per decode token)")
+    ax.margins(x=0.25, y=0.3)
+    fig.tight_layout()
+    return ax
