@@ -321,6 +321,8 @@ def cache_explorer(trace: Trace, calibration: Trace | None = None, hardware=None
             plt.show()
             display(df[["layer", "slots", "hit_rate_prefill", "hit_rate_decode", "prefetch_loads",
                         "prefetch_wasted", "demand_loads"]].round(3))
+            print(f"L = {boundary.value}, {budget.value} cache slots ({alloc.value}, {repl.value}, {pred.value}); "
+                  f"slots per layer {df['slots'].tolist()}" + speed.replace("\n", "\n"))
 
     for w in (boundary, budget, alloc, repl, pred):
         w.observe(_draw, names="value")
