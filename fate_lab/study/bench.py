@@ -68,9 +68,21 @@ def run_preset(model, input_ids: torch.Tensor, preset: str, new_tokens: int, rep
 
 def compare_presets(model, input_ids: torch.Tensor, presets: list[str], new_tokens: int, repeats: int = 1,
                     **overrides) -> tuple[pd.DataFrame, dict]:
-    """Every preset (and plain generate) on the same prompt; ratios vs all_resident and load_on_demand."""
+    """Every preset (and plain generate) on the same prompt; ratios vs all_resident and load_on_demand.
+
+    A scaled link is calibrated once here unless ``layer_compute_s`` is given, so the rows cannot run
+    over different links (each row's ``link`` column says which it ran over).
+    """
     from tqdm.auto import tqdm
 
+    from fate_lab.offloading.config import OffloadConfig
+    from fate_lab.offloading.links import LINK_PROFILES
+    from fate_lab.offloading.runtime import calibrate_layer_time
+
+    link = overrides.get("link", OffloadConfig().link)
+    if link not in LINK_PROFILES and link != "instant" and overrides.get("layer_compute_s") is None:
+        # a scaled link is calibrated ONCE for the whole table: every row runs over the same link
+        overrides = dict(overrides, layer_compute_s=calibrate_layer_time(model, steps=24))
     plain = time_generate(model, input_ids, new_tokens, repeats)
     rows = [{"preset": "plain generate", "decode tok/s": plain.decode_tok_s, "TTFT (ms)": 1e3 * plain.ttft_s}]
     runs = {"plain generate": {"tokens": plain.tokens}}
