@@ -458,15 +458,19 @@ def quantize_model_experts(model: nn.Module, policy_or_spec: QuantPolicy | Quant
 
 
 @torch.no_grad()
-def quality_report(model_fp: nn.Module, model_q: nn.Module, token_batches: Iterable[torch.Tensor]) -> dict:
+def quality_report(model_fp: nn.Module, model_q: nn.Module, token_batches: Iterable[torch.Tensor],
+                   progress: bool = True) -> dict:
     """Perplexity of both models, greedy next-token agreement and mean KL(fp || q) per position.
 
     token_batches: LongTensors [B, T] (or [T]) of unpadded token ids; every position but the
-    last predicts the next token.
+    last predicts the next token. A progress bar counts the batches (progress=False: none).
     """
+    from tqdm.auto import tqdm
+
     nll_fp = nll_q = kl = agree = 0.0
     n = 0
-    for ids in token_batches:
+    batches = list(token_batches)
+    for ids in tqdm(batches, desc="quality", unit="window", disable=not progress, leave=False):
         ids = torch.as_tensor(ids, dtype=torch.long)
         ids = ids.unsqueeze(0) if ids.dim() == 1 else ids  # (B, T)
         ids = ids.to(next(model_fp.parameters()).device)
