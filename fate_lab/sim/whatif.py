@@ -28,12 +28,17 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -
     from fate_lab.offloading.links import resolve_link
     from fate_lab.offloading.runtime import calibrate_layer_time
 
+    from tqdm.auto import tqdm
+
     key = (id(model), link)
     if key not in _hw_cache:
-        layer_s = calibrate_layer_time(model, steps=24)
-        ids = torch.tensor([tokenizer("The expert cache holds the experts")["input_ids"]])
-        timed = None if link == "instant" else link  # every other link is emulated on a CPU
-        compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s)
+        with tqdm(total=2, desc="calibrating this machine", unit="step", leave=False) as bar:
+            layer_s = calibrate_layer_time(model, steps=24)
+            bar.update()
+            ids = torch.tensor([tokenizer("The expert cache holds the experts")["input_ids"]])
+            timed = None if link == "instant" else link  # every other link is emulated on a CPU
+            compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s)
+            bar.update()
         prof = None if link == "instant" else resolve_link(link, adapt(model).bytes_per_expert(), layer_s)
         _hw_cache[key] = (Hardware(compute, prof), layer_s)
     return _hw_cache[key]
