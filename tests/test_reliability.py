@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import torch
+from conftest import greedy, prompt_ids
 
 from fate_lab.model.adapters import adapt
 from fate_lab.offloading.config import OffloadConfig
@@ -16,11 +17,11 @@ N = 6
 
 
 def _gen(model, ids, n=N):
-    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return greedy(model, ids, n)[0]
 
 
 def _ids(model, seed=0):
-    return torch.randint(1, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(seed))
+    return prompt_ids(model.config.vocab_size, 7, seed)
 
 
 def _in_thread(fn, timeout: float = 60.0):

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import greedy, prompt_ids
 from transformers import TextStreamer
 
 from fate_lab.model.adapters import adapt
@@ -23,14 +24,11 @@ PRESETS = OffloadConfig.preset_names()
 NEW_TOKENS = 10
 
 
-def _prompt(vocab: int, n: int = 9, seed: int = 0) -> torch.Tensor:
-    return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
 
 
 def _generate(model, ids, n=NEW_TOKENS, **kw):
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0, **kw)
-    return out.sequences, torch.stack(out.scores)  # (1, S), (n, 1, V)
+    return greedy(model, ids, n, **kw)
 
 
 def _small_budget(model) -> int:
@@ -47,7 +45,7 @@ def _fate_threads() -> list[threading.Thread]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_preset_matches_plain_model(family):
     model = tiny_model(family, seed=1)
-    ids = _prompt(model.config.vocab_size)
+    ids = prompt_ids(model.config.vocab_size)
     ref_tokens, ref_logits = _generate(model, ids)
     budgets = [dict(budget=_small_budget(model)), dict(slots=0)]  # a quarter of the experts; staging only
     for name in PRESETS:
@@ -70,7 +68,7 @@ def test_every_preset_matches_plain_model(family):
 
 def test_preset_semantics_in_stats():
     model = tiny_model("qwen2_moe", seed=2)
-    ids = _prompt(model.config.vocab_size)
+    ids = prompt_ids(model.config.vocab_size)
     with offload(model, OffloadConfig.preset("load_on_demand", link="test_fast")) as rt:
         _generate(model, ids)
     d = rt.stats.summary()["decode"]
@@ -92,7 +90,7 @@ def test_preset_semantics_in_stats():
 
 def test_sampling_matches_plain_model():
     model = tiny_model("olmoe", seed=3)
-    ids = _prompt(model.config.vocab_size)
+    ids = prompt_ids(model.config.vocab_size)
     torch.manual_seed(7)
     ref = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0)
     with offload(model, OffloadConfig.preset("fate", link="test_fast", slots=3)):
@@ -103,7 +101,7 @@ def test_sampling_matches_plain_model():
 
 def test_failed_transfer_loads_synchronously():
     model = tiny_model("mixtral", seed=4)
-    ids = _prompt(model.config.vocab_size)
+    ids = prompt_ids(model.config.vocab_size)
     ref_tokens, ref_logits = _generate(model, ids)
     for name in ("load_on_demand", "fate"):
         with offload(model, OffloadConfig.preset(name, link="test_fast", slots=2)) as rt:
@@ -120,7 +118,7 @@ def test_close_stops_workers_and_restores_model():
     model = tiny_model("qwen3_moe", seed=5)
     rt = offload(model, OffloadConfig.preset("fate", link="test_fast", slots=2))
     assert len(_fate_threads()) == before + 1 and all(t.is_alive() for t in rt.threads)
-    _generate(model, _prompt(model.config.vocab_size), n=3)
+    _generate(model, prompt_ids(model.config.vocab_size), n=3)
     rt.close()
     assert len(_fate_threads()) == before and not any(t.is_alive() for t in rt.threads)
     assert model.config._experts_implementation != "fate_offload"
@@ -132,7 +130,7 @@ def test_long_generation_keeps_device_memory_flat():
     with offload(model, OffloadConfig.preset("fate", link="test_fast", slots=5)) as rt:
         ptrs = [t.data_ptr() for t in rt.device_tensors()]
         nbytes, n_params = rt.device_bytes(), len(list(model.parameters()))
-        _generate(model, _prompt(model.config.vocab_size), n=300)
+        _generate(model, prompt_ids(model.config.vocab_size), n=300)
         assert [t.data_ptr() for t in rt.device_tensors()] == ptrs
         assert rt.device_bytes() == nbytes and len(list(model.parameters())) == n_params
         assert rt.cache.staging_free + sum(len(l.staged) for l in rt.layers) + len(rt.cache.zombies) == rt.n_staging
@@ -155,7 +153,7 @@ def test_budget_below_minimum_is_refused():
 def test_ssd_store_reads_experts_from_safetensors(tmp_path):
     model = tiny_model("qwen2_moe", seed=8)
     model.save_pretrained(tmp_path)
-    ids = _prompt(model.config.vocab_size)
+    ids = prompt_ids(model.config.vocab_size)
     ref_tokens, _ = _generate(model, ids)
     cfg = OffloadConfig.preset("lru", link="test_fast", slots=4, store="ssd", checkpoint=str(tmp_path))
     with offload(model, cfg) as rt:
@@ -239,7 +237,7 @@ def test_embedded_model_every_preset():
 @pytest.mark.parametrize("native", [True, False])
 def test_cuda_offload_matches_plain(native):
     model = tiny_model("qwen2_moe", seed=9).to("cuda")
-    ids = _prompt(model.config.vocab_size).to("cuda")
+    ids = prompt_ids(model.config.vocab_size).to("cuda")
     ref_tokens, ref_logits = _generate(model, ids)
     with offload(model, OffloadConfig.preset("fate", link="test_fast", slots=4, native_link=native)) as rt:
         assert rt.gate_up_slots.is_cuda and (not native or rt.store.pinned)
@@ -252,7 +250,7 @@ def test_cuda_offload_matches_plain(native):
 def test_each_preset_does_what_its_name_says():
     """Counts on an instant link pin each preset's mechanism (not merely that it exists)."""
     model = tiny_model("qwen2_moe", seed=0)
-    ids = _prompt(model.config.vocab_size)
+    ids = prompt_ids(model.config.vocab_size)
     a = adapt(model)
     summary = {}
     for name in PRESETS:
@@ -275,7 +273,7 @@ def test_each_preset_does_what_its_name_says():
 def test_every_allocation_runs_in_the_runtime():
     """miss_curve included: calibrated at offload time when no curves are given (it raised a TypeError before)."""
     model = tiny_model("qwen2_moe", seed=0)
-    ids = _prompt(model.config.vocab_size)
+    ids = prompt_ids(model.config.vocab_size)
     ref_tokens, _ = _generate(model, ids)
     a = adapt(model)
     for alloc in ("uniform", "shallow", "miss_curve"):

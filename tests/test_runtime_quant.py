@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import greedy, prompt_ids
 
 from fate_lab.model.adapters import adapt
 from fate_lab.offloading.links import LinkProfile
@@ -26,14 +27,11 @@ def _model(seed: int = 1):
     return tiny_model("qwen2_moe", seed=seed, **SIZES)
 
 
-def _prompt(vocab: int, n: int = 9, seed: int = 0) -> torch.Tensor:
-    return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _generate(model, ids, n=NEW_TOKENS):
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences, torch.stack(out.scores)  # (1, S), (n, 1, V)
+
+def _generate(model, ids, n=NEW_TOKENS, **kw):
+    return greedy(model, ids, n, **kw)
 
 
 def _hand_nbytes(rows: int, cols: int, bits: int, group: int) -> int:
@@ -59,7 +57,7 @@ def test_quant_presets_are_listed_apart_and_bad_names_are_refused():
 
 def test_int8_everywhere_keeps_the_greedy_output():
     model = _model()
-    ids = _prompt(model.config.vocab_size)
+    ids = prompt_ids(model.config.vocab_size)
     ref_tokens, ref_logits = _generate(model, ids)
     for slots in (8, 0):
         with offload(model, OffloadConfig.preset("fate_int8", link="test_fast", slots=slots)) as rt:
@@ -74,7 +72,7 @@ def test_int8_everywhere_keeps_the_greedy_output():
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_runtime_logits_equal_an_independently_quantized_model(quant):
     model = _model(seed=2)
-    ids = _prompt(model.config.vocab_size, seed=3)
+    ids = prompt_ids(model.config.vocab_size, seed=3)
     ref_tokens, ref_logits = _generate(quantize_model_experts(model, QuantSpec.preset(quant)), ids)
     for preset, budget in (("fate", dict(slots=8)), ("load_on_demand", {}), ("all_resident", {})):
         with offload(model, OffloadConfig.preset(preset, link="test_fast", quant=quant, **budget)) as rt:
@@ -87,7 +85,7 @@ def test_runtime_logits_equal_an_independently_quantized_model(quant):
 def test_fate_quant_moves_packed_bytes_at_the_policy_precisions():
     model = _model(seed=3)
     a = adapt(model)
-    ids = _prompt(model.config.vocab_size, n=12, seed=5)
+    ids = prompt_ids(model.config.vocab_size, n=12, seed=5)
     per_spec = {"int4/g64": _hand_expert_bytes(64, 64, 4, 64), "int2/g32": _hand_expert_bytes(64, 64, 2, 32)}
     assert per_spec == {"int4/g64": 6912, "int2/g32": 4608}  # vs 49152 bytes at fp32
     seen: list = []
@@ -122,7 +120,7 @@ def test_fate_quant_moves_packed_bytes_at_the_policy_precisions():
 
 def test_failed_quantized_transfer_reloads_at_its_precision():
     model = _model(seed=4)
-    ids = _prompt(model.config.vocab_size, seed=1)
+    ids = prompt_ids(model.config.vocab_size, seed=1)
     ref_tokens, ref_logits = _generate(quantize_model_experts(model, QuantSpec.preset("int4")), ids)
     with offload(model, OffloadConfig.preset("fate", link="test_fast", slots=4, quant="int4")) as rt:
         rt.engine.fault = lambda m, e: e % 2 == 0
@@ -157,7 +155,7 @@ def test_quantized_runtime_fits_its_budget_with_packed_slots(preset, quant):
     because the device slots really hold packed bytes (plus one fp scratch expert)."""
     model = _model(seed=5)
     a = adapt(model)
-    ids = _prompt(model.config.vocab_size, n=12, seed=6)
+    ids = prompt_ids(model.config.vocab_size, n=12, seed=6)
     spec = None if quant == "fate" else QuantSpec.preset(quant)
     if spec is not None:
         ref_tokens, ref_logits = _generate(quantize_model_experts(model, spec), ids)
@@ -255,7 +253,7 @@ def test_embedded_model_int8_greedy_output_matches_on_heldout_prompts():
 def test_ssd_store_with_quantization_matches_the_ram_store(tmp_path):
     model = _model(seed=6)
     model.save_pretrained(tmp_path)
-    ids = _prompt(model.config.vocab_size, seed=2)
+    ids = prompt_ids(model.config.vocab_size, seed=2)
     with offload(model, OffloadConfig.preset("fate", link="test_fast", slots=4, quant="int4")):
         ram_tokens, ram_logits = _generate(model, ids)
     cfg = OffloadConfig.preset("fate", link="test_fast", slots=4, quant="int4", store="ssd", checkpoint=str(tmp_path))
@@ -270,7 +268,7 @@ def test_stepwise_forward_equals_the_full_forward():
     from fate_lab.offloading.runtime import StepwiseForward
 
     model = _model(seed=7)
-    ids = _prompt(model.config.vocab_size, n=6, seed=4)
+    ids = prompt_ids(model.config.vocab_size, n=6, seed=4)
     torch.testing.assert_close(StepwiseForward(model)(input_ids=ids).logits, model(input_ids=ids).logits,
                                rtol=1e-4, atol=1e-4)
     with offload(model, OffloadConfig.preset("fate_int8", link="test_fast", slots=4)) as rt:
