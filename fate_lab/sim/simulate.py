@@ -145,7 +145,7 @@ class ModelShape:
     scoring: str = "softmax"
 
     @classmethod
-    def from_adapter(cls, adapter) -> "ShapeOf":
+    def from_adapter(cls, adapter) -> "ModelShape":
         """The shape of a model seen through `adapters.adapt(model)`."""
         return cls(len(getattr(adapter.model, "model", adapter.model).layers), adapter.num_moe_layers,
                    adapter.num_experts, adapter.top_k, adapter.hidden_size, adapter.expert_intermediate_size,
@@ -162,7 +162,6 @@ class ModelShape:
         return expert_nbytes(self.expert_shapes(), spec, dtype=self.dtype)
 
 
-ShapeOf = ModelShape
 
 
 @dataclass(eq=False)
