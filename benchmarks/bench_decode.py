@@ -25,8 +25,8 @@ import torch
 
 from fate_lab.model.adapters import adapt
 from fate_lab.offloading.links import resolve_link
-from fate_lab.policy.planner import plan_from_slots
 from fate_lab.offloading.runtime import OffloadConfig, calibrate_layer_time, offload
+from fate_lab.policy.planner import plan_from_slots
 
 
 class _Clock:

@@ -21,12 +21,12 @@ import time
 import torch
 
 from fate_lab.model.adapters import adapt
+from fate_lab.model.trace import record_trace
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.links import LinkProfile
 from fate_lab.policy.predictors import TopK
 from fate_lab.sim.calibrate import calibrate_compute
 from fate_lab.sim.simulate import COMPUTE_PROFILES, Hardware, ModelShape, simulate
-from fate_lab.model.trace import record_trace
 
 RATIOS = [0.25, 0.5, 1.0, 2.0, 2.9, 4.0]
 

@@ -25,8 +25,7 @@ import time
 import torch
 
 from fate_lab.model.adapters import adapt
-from fate_lab.quant import (QuantPolicy, QuantSpec, expert_nbytes, quality_report, quantize,
-                            quantize_model_experts)
+from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes, quality_report, quantize, quantize_model_experts
 
 SCHEMES = [QuantSpec(8, 64), QuantSpec(4, 32), QuantSpec(4, 64), QuantSpec(4, 128), QuantSpec(3, 64),
            QuantSpec(2, 16), QuantSpec(2, 32), QuantSpec(2, 64), QuantSpec(4, 64, refine=True),
@@ -107,8 +106,8 @@ SPEED_LINKS = ("qwen15_moe_rtx3090_pcie3", "qwen15_moe_rtx3090_pcie4", "deepseek
 def speed_table(model, input_ids: torch.Tensor, new_tokens: int, cache_share: float = 0.25,
                 links: tuple[str, ...] = SPEED_LINKS) -> list[dict]:
     """One row per (link, preset): MiB per decode token, decode tok/s, hit rate, same tokens as `fate`."""
-    from fate_lab.study.bench import run_preset
     from fate_lab.offloading.runtime import calibrate_layer_time
+    from fate_lab.study.bench import run_preset
 
     ad = adapt(model)
     slots = int(cache_share * ad.num_moe_layers * ad.num_experts)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
-    from fate_lab.paths import TINY_MOE_DIR
     from fate_lab.model.train import TrainConfig, train
+    from fate_lab.paths import TINY_MOE_DIR
 
     overrides = {k: v for k, v in {"steps": args.steps, "minutes": args.minutes, "seed": args.seed}.items() if v is not None}
     cfg = TrainConfig.preset(args.preset, **overrides)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fate_lab.quant import QuantSpec, packed_nbytes, quantize
 from fate_lab.model.trace import Trace, from_routing_array
+from fate_lab.quant import QuantSpec, packed_nbytes, quantize
 
 OK = [[[0, 1], [2, 3]], [[1, 0], [3, 2]]]  # 2 tokens, 2 layers, k = 2, ids < 4
 

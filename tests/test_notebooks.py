@@ -6,9 +6,18 @@ import pandas as pd
 import pytest
 
 from fate_lab.study import lab
-from fate_lab.study.notebooks import (FAST_CELL_TIMEOUT, FULL_CELL_TIMEOUT, NotebookCellTimeout, cell_timeout,
-                                dirty_notebooks, final_table, notebook_errors, notebook_paths, run_notebook,
-                                table_numbers)
+from fate_lab.study.notebooks import (
+    FAST_CELL_TIMEOUT,
+    FULL_CELL_TIMEOUT,
+    NotebookCellTimeout,
+    cell_timeout,
+    dirty_notebooks,
+    final_table,
+    notebook_errors,
+    notebook_paths,
+    run_notebook,
+    table_numbers,
+)
 
 NOTEBOOKS = notebook_paths()
 

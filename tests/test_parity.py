@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from fate_lab.model.adapters import adapt
-from fate_lab.offloading.config import OffloadConfig
-from fate_lab.paths import TINY_MOE_DIR
-from fate_lab.offloading.runtime import offload
-from fate_lab.sim.simulate import COMPUTE_PROFILES, Hardware, ModelShape, SimLink, simulate, trace_steps
 from fate_lab.model.testing import tiny_model
 from fate_lab.model.trace import record_trace
+from fate_lab.offloading.config import OffloadConfig
+from fate_lab.offloading.runtime import offload
+from fate_lab.paths import TINY_MOE_DIR
+from fate_lab.sim.simulate import COMPUTE_PROFILES, Hardware, ModelShape, SimLink, simulate, trace_steps
 
 KEYS = ("calls", "uses", "hits", "late", "misses", "prefetch_issued", "prefetch_useful", "prefetch_wasted",
         "predicted", "predicted_used", "bytes_moved")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fate_lab.model.adapters import adapt
+from fate_lab.model.testing import tiny_model
 from fate_lab.quant import (
     QuantPolicy,
     QuantSpec,
@@ -22,7 +23,6 @@ from fate_lab.quant import (
     quantized_nbytes,
     unpack,
 )
-from fate_lab.model.testing import tiny_model
 
 try:
     from hypothesis import given, settings

@@ -178,9 +178,9 @@ def test_replay_follows_the_runtime_order_hits_before_misses():
 
 def test_replay_equals_the_simulator_on_an_instant_link():
     """Two drivers of one cache: the per-layer replay and the multi-layer simulator agree on decode."""
+    from fate_lab.model.trace import from_routing_array
     from fate_lab.offloading.config import OffloadConfig
     from fate_lab.sim.simulate import COMPUTE_PROFILES, Hardware, ModelShape, simulate
-    from fate_lab.model.trace import from_routing_array
 
     torch.manual_seed(3)
     N, L, k, E = 300, 4, 2, 8

@@ -7,17 +7,18 @@ import time
 
 import pytest
 import torch
-from conftest import greedy, prompt_ids
 from transformers import TextStreamer
 
 from fate_lab.model.adapters import adapt
-from fate_lab.offloading.links import LINK_PROFILES, REAL_SETUPS, resolve_link, scaled_profile
-from fate_lab.paths import TINY_MOE_DIR
-from fate_lab.offloading.runtime import OffloadConfig, Runtime, offload
 from fate_lab.model.testing import tiny_model
+from fate_lab.offloading.links import LINK_PROFILES, REAL_SETUPS, resolve_link, scaled_profile
+from fate_lab.offloading.runtime import OffloadConfig, Runtime, offload
 from fate_lab.offloading.slots import FullSlots
-from fate_lab.offloading.transfer import EmulatedLink
 from fate_lab.offloading.store import RamStore
+from fate_lab.offloading.transfer import EmulatedLink
+from fate_lab.paths import TINY_MOE_DIR
+
+from conftest import greedy, prompt_ids
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
 PRESETS = OffloadConfig.preset_names()

@@ -3,20 +3,20 @@ independent quantized copy of the model, packed bytes are what moves (and what t
 for) and what the device slots hold, and the planner fits more slots at INT4 within the budget."""
 from __future__ import annotations
 
-
 import pytest
 import torch
-from conftest import greedy, prompt_ids
 
 from fate_lab.model.adapters import adapt
+from fate_lab.model.testing import tiny_model
 from fate_lab.offloading.links import LinkProfile
+from fate_lab.offloading.runtime import OffloadConfig, offload
+from fate_lab.offloading.slots import FullSlots
+from fate_lab.offloading.store import QuantizedStore, RamStore
+from fate_lab.offloading.transfer import EmulatedLink
 from fate_lab.paths import TINY_MOE_DIR
 from fate_lab.quant import QuantPolicy, QuantSpec, quantize_model_experts
-from fate_lab.offloading.runtime import OffloadConfig, offload
-from fate_lab.offloading.store import QuantizedStore, RamStore
-from fate_lab.model.testing import tiny_model
-from fate_lab.offloading.slots import FullSlots
-from fate_lab.offloading.transfer import EmulatedLink
+
+from conftest import greedy, prompt_ids
 
 NEW_TOKENS = 10
 # hidden 64, expert width 64 (group 64 must divide both), 16 experts, top-2, 2 MoE layers
@@ -279,8 +279,8 @@ def test_stepwise_forward_equals_the_full_forward():
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int3", "int2"])
 def test_device_side_dequantize_is_bit_exact(name):
-    from fate_lab.quant import quantize
     from fate_lab.offloading.slots import _dequantize_into
+    from fate_lab.quant import quantize
 
     w = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))  # (2I, H)
     q = quantize(w, QuantSpec.preset(name))

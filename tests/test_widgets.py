@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fate_lab.study import widgets
 from fate_lab.model.trace import DECODE, PREFILL, Trace
+from fate_lab.study import widgets
 
 
 @pytest.fixture

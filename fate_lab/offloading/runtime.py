@@ -29,24 +29,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fate_lab.offloading import hookup
 from fate_lab.model.adapters import MoEAdapter, adapt
-from fate_lab.policy.allocation import lru_miss_curves
-from fate_lab.policy.cache import ExpertCache
+from fate_lab.offloading import hookup
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, EngineLink
 from fate_lab.offloading.hookup import StepwiseForward  # public here too, as the first version had it
 from fate_lab.offloading.links import LINK_PROFILES, LinkProfile, resolve_link
-from fate_lab.policy.planner import plan_offload
-from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
-from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
-from fate_lab.policy.replacement import policy_from_name
 from fate_lab.offloading.slots import DeviceSlots, FullSlots, PackedSlots
 from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
-from fate_lab.policy.step import run_layer
 from fate_lab.offloading.store import HostStore, QuantizedStore, RamStore, SafetensorsStore
-from fate_lab.offloading.transfer import (CudaCopyEngine, EmulatedLink, InstantLink, TransferEngine, TransferError,
-                       calibrate_layer_time)
+from fate_lab.offloading.transfer import (
+    CudaCopyEngine,
+    EmulatedLink,
+    InstantLink,
+    TransferEngine,
+    TransferError,
+    calibrate_layer_time,
+)
+from fate_lab.policy.allocation import lru_miss_curves
+from fate_lab.policy.cache import ExpertCache
+from fate_lab.policy.planner import plan_offload
+from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
+from fate_lab.policy.replacement import policy_from_name
+from fate_lab.policy.step import run_layer
+from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
 
 __all__ = ["OffloadConfig", "Runtime", "offload", "calibrate_layer_time", "StepwiseForward"]
 

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from fate_lab.quant import QuantizedTensor, QuantSpec, packed_nbytes
 from fate_lab.offloading.store import ExpertTensors, HostStore, PackedExpert
+from fate_lab.quant import QuantizedTensor, QuantSpec, packed_nbytes
 
 
 class DeviceSlots:

@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-
 from torch import nn
 
 from fate_lab.offloading.links import LinkProfile
-from fate_lab.quant import QuantSpec
 from fate_lab.offloading.slots import DeviceSlots, SlotWriter
 from fate_lab.offloading.store import HostStore
+from fate_lab.quant import QuantSpec
 
 _ENGINE_IDS = itertools.count()
 DEFAULT_TIMEOUT_S = 60.0  # the longest a compute thread waits for one expert before it gives up

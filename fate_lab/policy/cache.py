@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from fate_lab.policy.replacement import ReplacementPolicy
 from fate_lab.offloading.stats import PHASES, PhaseStats
+from fate_lab.policy.replacement import ReplacementPolicy
 
 
 class Link(Protocol):

@@ -16,6 +16,7 @@ import torch
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.sim.simulate import ComputeProfile
 
+
 def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
                       name: str = "this machine", link: str | None = None,
                       layer_compute_s: float | None = None) -> ComputeProfile:

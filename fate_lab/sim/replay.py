@@ -30,11 +30,11 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from fate_lab.offloading.stats import PHASES
 from fate_lab.policy.allocation import ShallowFavoringAllocation
 from fate_lab.policy.cache import ExpertCache
 from fate_lab.policy.predictors import SelectionRule
 from fate_lab.policy.replacement import ReplacementPolicy, policy_from_name
-from fate_lab.offloading.stats import PHASES
 
 Predictions = list  # list[N] of list[L] of (list[int] | None)
 PolicySpec = str | Callable[[int], ReplacementPolicy]

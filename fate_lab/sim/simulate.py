@@ -25,17 +25,17 @@ from dataclasses import dataclass
 
 import torch
 
-from fate_lab.policy.cache import ExpertCache
+from fate_lab.model.trace import PREFILL, Trace
 from fate_lab.offloading.config import OffloadConfig
+from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, link_capacity, spec_label
 from fate_lab.offloading.links import LINK_PROFILES, LinkProfile
+from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
+from fate_lab.policy.cache import ExpertCache
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
-from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
 from fate_lab.policy.replacement import policy_from_name
-from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, link_capacity, spec_label
-from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
 from fate_lab.policy.step import run_layer
-from fate_lab.model.trace import PREFILL, Trace
+from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
 
 _SCRATCH_SLOTS = 1
 

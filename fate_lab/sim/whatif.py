@@ -23,12 +23,11 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -
     """(Hardware, layer seconds) of this machine running `model` with the emulated `link`, calibrated once
     per (model, link) in this process: the same layer time scales the runtime's link and the simulator's."""
     import torch
+    from tqdm.auto import tqdm
 
     from fate_lab.model.adapters import adapt
     from fate_lab.offloading.links import resolve_link
     from fate_lab.offloading.runtime import calibrate_layer_time
-
-    from tqdm.auto import tqdm
 
     key = (id(model), link)
     if key not in _hw_cache:

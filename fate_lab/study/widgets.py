@@ -10,11 +10,11 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
+from fate_lab.model.trace import Trace
+from fate_lab.model.trace import cross_layer_scores as trace_scores
 from fate_lab.policy import predictors as P
 from fate_lab.policy.allocation import allocation_from_name
 from fate_lab.sim.replay import miss_curves, predictions_from_rule, replay, sweep
-from fate_lab.model.trace import Trace
-from fate_lab.model.trace import cross_layer_scores as trace_scores
 
 # Rule choices shown to a reader: label -> (rule name, parameter name, default, (min, max, step)).
 # An int default marks an integer parameter (IntSlider), a float one a real parameter
@@ -368,8 +368,8 @@ def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_
     from IPython.display import display
 
     from fate_lab.model.adapters import adapt
-    from fate_lab.sim.simulate import ModelShape
     from fate_lab.model.trace import record_trace
+    from fate_lab.sim.simulate import ModelShape
     from fate_lab.sim.whatif import machine_hardware, sim_row
 
     ad = adapt(model)
