@@ -35,7 +35,7 @@ from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, EngineLink
 from fate_lab.offloading.hookup import StepwiseForward  # public here too, as the first version had it
 from fate_lab.offloading.links import LINK_PROFILES, LinkProfile, resolve_link
-from fate_lab.offloading.slots import DeviceSlots, FullSlots, PackedSlots
+from fate_lab.offloading.slots import SCRATCH_SLOTS, DeviceSlots, FullSlots, PackedSlots, slot_sizing
 from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
 from fate_lab.offloading.store import HostStore, QuantizedStore, RamStore, SafetensorsStore
 from fate_lab.offloading.transfer import (
@@ -56,7 +56,6 @@ from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
 
 __all__ = ["OffloadConfig", "Runtime", "offload", "calibrate_layer_time", "StepwiseForward"]
 
-_SCRATCH_SLOTS = 1  # full-precision experts a packed-slot (quantized) runtime dequantizes into
 
 
 class Runtime:
@@ -77,15 +76,13 @@ class Runtime:
         self.top_k, self.num_experts, M = a.top_k, a.num_experts, a.num_moe_layers
         self.expert_bytes = a.bytes_per_expert()  # one expert at full precision (the model's dtype)
         self.quant: QuantPolicy | None = QuantPolicy.preset(config.quant) if config.quant is not None else None
-        self.slot_expert_bytes, scratch_bytes = self.expert_bytes, 0
-        if self.quant is not None:  # a slot holds the largest precision that travels, packed
+        if self.quant is not None:  # refuses a group size the experts' shapes cannot take
             for m in range(M):
                 for s in self.quant.host_specs(m):
                     self._precision_nbytes(s)
-            self._slot_specs = tuple(dict.fromkeys(s for m in range(M) for s in self.quant.host_specs(m)))
-            self.slot_expert_bytes = max(PackedSlots.layout_bytes(*self._expert_shapes(), s, self.dtype)
-                                         for s in self._slot_specs)
-            scratch_bytes = _SCRATCH_SLOTS * self.expert_bytes
+        # a slot holds the largest precision that travels, packed; a packed expert computes from a scratch
+        self._slot_specs, self.slot_expert_bytes, scratch_bytes = slot_sizing(
+            self.quant, M, *self._expert_shapes(), self.dtype, self.expert_bytes)
 
         # 1. the memory plan and per-layer slots (pure policies, shared with the simulator)
         self.prefetching = config.predictor is not None
@@ -129,7 +126,7 @@ class Runtime:
         if self.quant is None:
             self.slots: DeviceSlots = FullSlots.empty(n_slots, *self._expert_shapes(), self.dtype, self.device)
         else:
-            self.slots = PackedSlots(*self._expert_shapes(), self._slot_specs, self.dtype, n_slots, _SCRATCH_SLOTS,
+            self.slots = PackedSlots(*self._expert_shapes(), self._slot_specs, self.dtype, n_slots, SCRATCH_SLOTS,
                                      self.device)
             assert self.slots.slot_bytes == self.slot_expert_bytes
         # scaled links: the real setups move fp16 experts; with quantization, calibrate on the fp16 size

@@ -230,6 +230,20 @@ class PackedSlots(DeviceSlots):
             self.down_scratch[0].numel() * self.down_scratch.element_size()
 
 
+SCRATCH_SLOTS = 1  # full-precision experts a packed-slot (quantized) runtime dequantizes into
+
+
+def slot_sizing(quant, num_moe_layers: int, gate_up_shape: tuple[int, int], down_shape: tuple[int, int],
+                dtype: torch.dtype, fp_bytes: int) -> tuple[tuple, int, int]:
+    """(precisions a slot may hold, bytes of one device slot, bytes of the dequantize scratch) for a
+    `quant.QuantPolicy` (None: full-precision slots, no scratch); the runtime and the simulator plan with it."""
+    if quant is None:
+        return (None,), fp_bytes, 0
+    specs = tuple(dict.fromkeys(s for m in range(num_moe_layers) for s in quant.host_specs(m)))
+    slot_bytes = max(PackedSlots.layout_bytes(gate_up_shape, down_shape, s, dtype) for s in specs)
+    return specs, slot_bytes, SCRATCH_SLOTS * fp_bytes
+
+
 class SlotWriter:
     """Copies a host expert from a store into device slots (shared by every engine and the sync load)."""
 

@@ -29,6 +29,7 @@ from fate_lab.model.trace import PREFILL, Trace
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, link_capacity, spec_label
 from fate_lab.offloading.links import LINK_PROFILES, LinkProfile
+from fate_lab.offloading.slots import slot_sizing
 from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
 from fate_lab.policy.cache import ExpertCache
 from fate_lab.policy.planner import plan_offload
@@ -36,8 +37,6 @@ from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor
 from fate_lab.policy.replacement import policy_from_name
 from fate_lab.policy.step import run_layer
 from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
-
-_SCRATCH_SLOTS = 1
 
 
 @dataclass(frozen=True)
@@ -290,14 +289,8 @@ class _Sim:
         self.config, self.hw, self.shape = config, hardware, shape
         M = shape.num_moe_layers
         self.quant = QuantPolicy.preset(config.quant) if config.quant is not None else None
-        slot_bytes, scratch = shape.nbytes(None), 0
-        if self.quant is not None:
-            from fate_lab.offloading.slots import PackedSlots
-
-            specs = tuple(dict.fromkeys(s for m in range(M) for s in self.quant.host_specs(m)))
-            es = shape.expert_shapes()
-            slot_bytes = max(PackedSlots.layout_bytes(es["gate_up"], es["down"], s, shape.dtype) for s in specs)
-            scratch = _SCRATCH_SLOTS * shape.nbytes(None)
+        es = shape.expert_shapes()
+        _, slot_bytes, scratch = slot_sizing(self.quant, M, es["gate_up"], es["down"], shape.dtype, shape.nbytes(None))
         self.plan, self.slots_per_layer, buffers = plan_offload(
             config, num_layers=M, num_experts=shape.num_experts, top_k=shape.top_k, slot_expert_bytes=slot_bytes,
             dense_bytes=shape.dense_bytes, kv_bytes_per_token=shape.kv_bytes_per_token, scratch_bytes=scratch,
