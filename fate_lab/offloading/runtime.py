@@ -221,7 +221,11 @@ class Runtime:
         x = kwargs.get("input_ids", args[0] if args else None)
         if x is None:
             x = kwargs.get("inputs_embeds")
-        self.phase = "prefill" if x is not None and x.shape[1] > 1 else "decode"
+        # prefill: a forward that starts the KV cache with more than one token; decode: one token, or
+        # several that extend a non-empty KV cache (a speculative verify step)
+        pkv = kwargs.get("past_key_values")
+        past = pkv.get_seq_length() if pkv is not None and hasattr(pkv, "get_seq_length") else 0
+        self.phase = "prefill" if x is not None and x.shape[1] > 1 and not past else "decode"
         self.cache.phase = self.phase
         if self.phase == "prefill" and self.predictor is not None:
             self.predictor.reset()

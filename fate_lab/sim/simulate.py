@@ -331,11 +331,13 @@ class _Sim:
             self._stall_in_forward += w1 - w0
             self.event("stall", m, e, w0, w1)
 
-    def forward(self, experts: torch.Tensor, gate_inputs: torch.Tensor | None, router_weights) -> float:
-        """One forward (a prefill step or a decode token): experts [T, M, K], gate_inputs [T, M, H]."""
+    def forward(self, experts: torch.Tensor, gate_inputs: torch.Tensor | None, router_weights,
+                phase: str | None = None) -> float:
+        """One forward (a prefill step or a decode token): experts [T, M, K], gate_inputs [T, M, H].
+        phase: None infers it (T > 1: prefill); "decode" with T > 1 is a speculative verify step."""
         T = experts.shape[0]
         comp, M = self.hw.compute, self.shape.num_moe_layers
-        self.phase = self.cache.phase = "prefill" if T > 1 else "decode"
+        self.phase = self.cache.phase = phase or ("prefill" if T > 1 else "decode")
         if self.phase == "prefill" and self.predictor is not None:
             self.predictor.reset()
         t0, self._stall_in_forward = self.now, 0.0
