@@ -17,7 +17,7 @@ from fate_lab.offloading.runtime import offload
 from fate_lab.paths import TINY_MOE_DIR
 from fate_lab.sim.simulate import COMPUTE_PROFILES, Hardware, ModelShape, SimLink, simulate, trace_steps
 
-KEYS = ("calls", "uses", "hits", "late", "misses", "prefetch_issued", "prefetch_useful", "prefetch_wasted",
+KEYS = ("calls", "uses", "hits", "late", "misses", "host", "prefetch_issued", "prefetch_useful", "prefetch_wasted",
         "predicted", "predicted_used", "bytes_moved")
 PRESETS = OffloadConfig.preset_names()
 HW = Hardware(COMPUTE_PROFILES["qwen15_moe_rtx3090"], None)  # the compute profile does not matter here

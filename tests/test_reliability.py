@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import torch
+from conftest import greedy, prompt_ids
 
 from fate_lab.model.adapters import adapt
 from fate_lab.model.testing import tiny_model
@@ -11,8 +12,6 @@ from fate_lab.model.trace import record_trace
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.runtime import offload
 from fate_lab.offloading.transfer import TransferError
-
-from conftest import greedy, prompt_ids
 
 N = 6
 

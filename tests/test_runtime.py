@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import greedy, prompt_ids
 from transformers import TextStreamer
 
 from fate_lab.model.adapters import adapt
@@ -17,8 +18,6 @@ from fate_lab.offloading.slots import FullSlots
 from fate_lab.offloading.store import RamStore
 from fate_lab.offloading.transfer import EmulatedLink
 from fate_lab.paths import TINY_MOE_DIR
-
-from conftest import greedy, prompt_ids
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
 PRESETS = OffloadConfig.preset_names()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import greedy, prompt_ids
 
 from fate_lab.model.adapters import adapt
 from fate_lab.model.testing import tiny_model
@@ -15,8 +16,6 @@ from fate_lab.offloading.store import QuantizedStore, RamStore
 from fate_lab.offloading.transfer import EmulatedLink
 from fate_lab.paths import TINY_MOE_DIR
 from fate_lab.quant import QuantPolicy, QuantSpec, quantize_model_experts
-
-from conftest import greedy, prompt_ids
 
 NEW_TOKENS = 10
 # hidden 64, expert width 64 (group 64 must divide both), 16 experts, top-2, 2 MoE layers

@@ -52,6 +52,12 @@ class OffloadConfig:
     timeline: bool = True  # record (kind, layer, expert, t_start, t_end) events
     timeline_max_events: int = 200_000
     quant: str | None = None  # quant.QuantPolicy preset ("fate", "int8", "int4", ...); None: full precision
+    host: str | None = None  # None: every expert computes on the device; "cost": a non-resident expert
+    # computes on the host when that takes less than its transfer (Fiddler); "layers": the first
+    # `host_layers` MoE layers' experts live and compute on the host (llama.cpp --n-cpu-moe)
+    host_layers: int = 0  # host="layers": how many MoE layers, from the first; -1: all (kTransformers)
+    host_profile: str = "desktop_ddr4"  # host.HOST_PROFILES key: the CPU whose time a host call takes
+    # (emulated on a CPU-only machine: the expert really computes, then the call holds for that time)
 
     @staticmethod
     def preset_names(include_quant: bool = False) -> list[str]:
@@ -71,7 +77,7 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         for fld, allowed in (("prefetch_budget", ("link", "all")), ("admit_prefetch", ("on_use", "on_load")),
-                             ("store", ("ram", "ssd"))):
+                             ("store", ("ram", "ssd")), ("host", (None, "cost", "layers"))):
             if getattr(self, fld) not in allowed:
                 raise ValueError(f"OffloadConfig.{fld}={getattr(self, fld)!r}; choose one of {list(allowed)}")
         for fld in ("budget", "slots"):
@@ -80,6 +86,17 @@ class OffloadConfig:
                 raise ValueError(f"OffloadConfig.{fld}={v!r}: give a non-negative int ({'bytes' if fld == 'budget' else 'expert slots'}) or None")
         if not (isinstance(self.prefetch_window, (int, float)) and 0 < self.prefetch_window < float("inf")):
             raise ValueError(f"OffloadConfig.prefetch_window={self.prefetch_window!r}: give a number of layer times > 0")
+        from fate_lab.offloading.host import HOST_PROFILES
+
+        if self.host_profile not in HOST_PROFILES:
+            raise ValueError(f"OffloadConfig.host_profile={self.host_profile!r}; choose one of {sorted(HOST_PROFILES)}")
+        if isinstance(self.host_layers, bool) or not isinstance(self.host_layers, int) or self.host_layers < -1:
+            raise ValueError(f"OffloadConfig.host_layers={self.host_layers!r}: give a number of MoE layers, or -1 for all")
+        if self.host == "layers" and self.host_layers == 0:
+            raise ValueError("OffloadConfig(host='layers') needs host_layers > 0 (or -1: every layer)")
+        if self.host is not None and self.quant is not None:
+            raise ValueError("host compute runs full-precision experts; it cannot be combined with quant="
+                             f"{self.quant!r} (choose one)")
         if self.layer_compute_s is not None and not (isinstance(self.layer_compute_s, (int, float))
                                                      and 0 < self.layer_compute_s < float("inf")):
             raise ValueError(f"OffloadConfig.layer_compute_s={self.layer_compute_s!r}: give seconds > 0, or None "
@@ -108,6 +125,13 @@ _PRESETS: dict[str, OffloadConfig] = {
     "fate": OffloadConfig("fate", prefetch_window=4.0),
     # Fate as the first version ran it: the whole percentile set queued and admitted into the cache
     "fate_v1": OffloadConfig("fate_v1", prefetch_budget="all", admit_prefetch="on_load"),
+    # Fate + misses computed on the host CPU when that beats their transfer (Fiddler's cost model)
+    "host_compute": OffloadConfig("host_compute", prefetch_window=4.0, host="cost"),
+    # Fate with the first 2 MoE layers' experts living and computing on the host (llama.cpp --n-cpu-moe 2)
+    "static_host": OffloadConfig("static_host", prefetch_window=4.0, host="layers", host_layers=2),
+    # every routed expert on the host, attention and shared experts on the device (kTransformers)
+    "all_host": OffloadConfig("all_host", predictor=None, allocation="uniform", replacement="lru", host="layers",
+                              host_layers=-1),
 }
 
 # Quantized presets: the same runtime policies as `fate`, experts stored and moved packed.

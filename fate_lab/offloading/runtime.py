@@ -34,6 +34,7 @@ from fate_lab.offloading import hookup
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, EngineLink
 from fate_lab.offloading.hookup import StepwiseForward  # public here too, as the first version had it
+from fate_lab.offloading.host import HostTime
 from fate_lab.offloading.links import LINK_PROFILES, LinkProfile, resolve_link
 from fate_lab.offloading.slots import SCRATCH_SLOTS, DeviceSlots, FullSlots, PackedSlots, slot_sizing
 from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
@@ -47,7 +48,8 @@ from fate_lab.offloading.transfer import (
     calibrate_layer_time,
 )
 from fate_lab.policy.allocation import lru_miss_curves
-from fate_lab.policy.cache import ExpertCache
+from fate_lab.policy.cache import HOST, ExpertCache
+from fate_lab.policy.placement import HostPlacement, host_layer_set
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
 from fate_lab.policy.replacement import policy_from_name
@@ -140,10 +142,19 @@ class Runtime:
             if self.link is not None else "instant (transfers land inside submit)",
             store=self.store.describe(), plan=self.plan, slots_per_layer=list(self.slots_per_layer),
         )
+        self.host_time: HostTime | None = None
+        placement = None
+        if config.host is not None:
+            gu, dn = self._expert_shapes()
+            self.host_time = HostTime.for_run(config.host_profile, config.link, self.expert_bytes,
+                                              2 * (gu[0] * gu[1] + dn[0] * dn[1]), self.layer_compute_s)
+            placement = HostPlacement(config.host, host_layer_set(config.host, config.host_layers, M), self.host_time,
+                                      0.0 if self.link is None else self.link.transfer_time(self.expert_bytes))
         self.cache = ExpertCache(
             self.slots_per_layer, lambda m, c: policy_from_name(config.replacement, c), self.top_k,
             self.prefetch_buffers, EngineLink(self, self.engine), self.stats.layers, cache=config.cache,
-            admit_on_use=config.admit_prefetch == "on_use", link_budget=config.prefetch_budget == "link")
+            admit_on_use=config.admit_prefetch == "on_use", link_budget=config.prefetch_budget == "link",
+            placement=placement)
         assert self.cache.num_slots == n_slots
         self.predictor: Predictor | None = self._build_predictor()
         self.router_host = [a.router_weight(m).detach().to("cpu", torch.float32).clone() for m in range(M)]  # (E, H)
@@ -264,6 +275,8 @@ class Runtime:
         experts_mod = self.adapter.experts_module(m)
 
         def compute(e: int, slot: int) -> None:
+            if slot == HOST:
+                return host_compute(e)
             t0 = time.perf_counter()
             gate_up, down = self.slots.weights(slot)  # (2I, H), (H, I); packed: dequantized into the scratch
             if T == 1:  # decode: expert e sits at one position k of the single token
@@ -275,6 +288,26 @@ class Runtime:
                 h = experts_mod._apply_gate(F.linear(hidden_states[pos // K], gate_up))  # (n, I)
                 weighted[pos] = F.linear(h, down) * flat_w[pos].unsqueeze(-1)  # (n, H)
             self.event("compute", m, e, t0, time.perf_counter())
+
+        def host_compute(e: int) -> None:
+            """Expert e computes on the host from the store's weights; the activations go there and back.
+            On a CPU-only machine the host is emulated: the expert really computes, then the call holds
+            until the host profile's time for its tokens has passed."""
+            t0 = time.perf_counter()
+            w = self.store.fetch(m, e)  # host tensors: gate_up (2I, H), down (H, I)
+            pos = (flat_idx == e).nonzero().squeeze(1).cpu()  # (n,) flat (token, k) positions of e
+            x = hidden_states[(pos // K).to(hidden_states.device)].to("cpu", w.gate_up.dtype)  # (n, H) to the host
+            h = experts_mod._apply_gate(F.linear(x, w.gate_up))  # (n, I)
+            y = F.linear(h, w.down).to(hidden_states.device, out_dtype)  # (n, H) back to the device
+            p_dev = pos.to(hidden_states.device)
+            weighted[p_dev] = y * flat_w[p_dev].unsqueeze(-1)  # (n, H)
+            if self.device.type == "cpu":
+                hold = t0 + self.host_time(len(pos)) - time.perf_counter()
+                if hold > 0:
+                    time.sleep(hold)
+            t1 = time.perf_counter()
+            self.stats.layers[m][self.phase].host_s += t1 - t0
+            self.event("host", m, e, t0, t1)
 
         def scores() -> torch.Tensor | None:
             if not isinstance(self.predictor, CrossLayerGate):

@@ -24,7 +24,8 @@ class PhaseStats:
     uses: int = 0  # distinct experts needed, summed over calls
     hits: int = 0  # valid in a slot when needed (cached or prefetched in time)
     late: int = 0  # prefetch still in flight when needed (waited for: stall)
-    misses: int = 0  # neither: loaded on demand
+    misses: int = 0  # neither: loaded on demand, or computed on the host
+    host: int = 0  # ... of the misses, computed on the host (no transfer)
     prefetch_issued: int = 0  # transfers queued by the predictor for this layer
     prefetch_useful: int = 0  # ... whose expert this layer then used
     prefetch_wasted: int = 0  # ... not used (cancelled while queued, or moved for nothing)
@@ -36,6 +37,7 @@ class PhaseStats:
     bytes_moved: int = 0  # host->device bytes for this layer
     stall_s: float = 0.0  # compute thread waiting for transfers / synchronous loads
     compute_s: float = 0.0  # wall time inside this layer's experts call
+    host_s: float = 0.0  # ... of it, experts computing on the host
 
     @property
     def hit_rate(self) -> float:

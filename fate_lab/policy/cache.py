@@ -29,6 +29,11 @@ misses), each group in the order of `needed` (popularity in prefill). That is th
 runtime computes in, so it is also the order the replay's replacement policy sees.
 Counters go to the `PhaseStats` of (layer, phase) given at construction; the driver counts
 bytes and stall time, the cache counts hits, misses, late prefetches and prefetch outcomes.
+Host compute (`placement`, a `placement.HostPlacement`): a needed expert that is not resident may
+compute where it lives instead of being loaded; it takes no slot and moves no bytes, `acquire`
+returns `HOST` for it, and it computes right after the resident experts (its host time hides the
+transfers of the misses that are loaded). It still counts as a miss (it was not on the device),
+and in `host`.
 """
 from __future__ import annotations
 
@@ -36,7 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from fate_lab.offloading.stats import PHASES, PhaseStats
+from fate_lab.policy.placement import HostPlacement
 from fate_lab.policy.replacement import ReplacementPolicy
+
+HOST = -1  # the "slot" of an expert that computes on the host
 
 
 class Link(Protocol):
@@ -91,6 +99,7 @@ class LayerState:
     prediction: list[int] | None = None  # predicted set for the next call
     pending: set[int] = field(default_factory=set)  # needed by the current call, not computed yet
     deferred: list[int] = field(default_factory=list)  # misses still waiting for a slot
+    host: set[int] = field(default_factory=set)  # needed by the current call, computed on the host
 
     @property
     def free(self) -> list[int]:
@@ -108,12 +117,15 @@ class ExpertCache:
 
     def __init__(self, slots_per_layer: list[int], policy: Callable[[int, int], ReplacementPolicy], top_k: int,
                  prefetch_buffers: int, link: Link, stats: list[dict[str, PhaseStats]] | None = None,
-                 cache: bool = True, admit_on_use: bool = False, link_budget: bool = False):
-        """policy(m, capacity) builds layer m's replacement policy; stats[m][phase] receives the counters."""
+                 cache: bool = True, admit_on_use: bool = False, link_budget: bool = False,
+                 placement: HostPlacement | None = None):
+        """policy(m, capacity) builds layer m's replacement policy; stats[m][phase] receives the counters;
+        placement: which non-resident experts compute on the host (None: every one is loaded)."""
         if top_k <= 0 or prefetch_buffers < 0:
             raise ValueError(f"need top_k > 0 and prefetch_buffers >= 0, got {top_k}, {prefetch_buffers}")
         self.link, self.top_k = link, top_k
         self.cache_enabled, self.admit_on_use, self.link_budget = cache, admit_on_use, link_budget
+        self.placement = placement
         self.stats = stats if stats is not None else [{p: PhaseStats() for p in PHASES} for _ in slots_per_layer]
         self.phase = "prefill"
         self.layers: list[LayerState] = []
@@ -131,8 +143,9 @@ class ExpertCache:
         self.zombies: list[tuple[int, Any]] = []  # staging slots whose unneeded transfer runs on
 
     # --- the layer step -----------------------------------------------------------------
-    def begin(self, m: int, needed: list[int]) -> list[int]:
-        """Layer m starts with the distinct experts `needed`: returns the order to compute them in."""
+    def begin(self, m: int, needed: list[int], counts: dict[int, int] | None = None) -> list[int]:
+        """Layer m starts with the distinct experts `needed` (counts[e]: tokens routed to e, for the host
+        placement; default 1): returns the order to compute them in."""
         layer, st = self.layers[m], self.stats[m][self.phase]
         st.calls += 1
         self._reap()
@@ -151,7 +164,8 @@ class ExpertCache:
         self._drop_stale(m, needed_set)
 
         st.uses += len(needed)
-        ready, waiting, missing = [], [], []
+        ready, host, waiting, missing = [], [], [], []
+        place = self.placement
         for e in needed:
             if e in layer.inflight:
                 waiting.append(e)
@@ -162,9 +176,14 @@ class ExpertCache:
                 if e in layer.where:
                     layer.policy.access(e)
             else:
-                missing.append(e)
                 st.misses += 1
-        order = ready + waiting + missing  # resident first: their compute hides the transfers
+                if place is not None and place.on_host(m, 1 if counts is None else counts[e]):
+                    host.append(e)
+                else:
+                    missing.append(e)
+        st.host += len(host)
+        layer.host = set(host)
+        order = ready + host + waiting + missing  # resident first: their compute hides the transfers
         layer.pending = set(order)
         for e in waiting:  # a needed prefetch still queued becomes urgent: it goes before the misses
             inf = layer.inflight[e]
@@ -181,6 +200,8 @@ class ExpertCache:
         """
         layer, st = self.layers[n], self.stats[n][self.phase]
         layer.prediction = list(predicted)
+        if self.placement is not None and self.placement.layer_on_host(n):
+            return 0  # its experts live on the host: nothing to move
         cap = self.link.capacity(n) if self.link_budget else None
         protect = frozenset(layer.inflight) | frozenset(predicted)  # a prediction never evicts itself
         moves: list[tuple[int, int]] = []
@@ -203,6 +224,8 @@ class ExpertCache:
     def acquire(self, m: int, e: int) -> int:
         """The slot of expert e of layer m once its bytes are there (waits; reloads a failed transfer)."""
         layer = self.layers[m]
+        if e in layer.host:
+            return HOST
         while layer.deferred and self._demand(m, layer.deferred[0]):  # slots freed by computed experts
             layer.deferred.pop(0)
         if layer.deferred and layer.deferred[0] == e:  # e is next and still has no slot: make one free
@@ -222,6 +245,8 @@ class ExpertCache:
         """Expert e of layer m has computed: its staging slot is given back, or (admit_on_use) it is cached."""
         layer = self.layers[m]
         layer.pending.discard(e)
+        if layer.host:
+            layer.host.discard(e)
         if e in layer.staged and e not in layer.inflight:
             if self.admit_on_use and self.cache_enabled and layer.cache_slots:
                 self._promote(m, e)
@@ -232,6 +257,7 @@ class ExpertCache:
         """Layer m's call is over (load-on-demand forgets what it loaded)."""
         layer = self.layers[m]
         layer.pending.clear()
+        layer.host.clear()
         if not self.cache_enabled:
             layer.valid.clear()
 

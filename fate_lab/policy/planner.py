@@ -145,5 +145,17 @@ def plan_offload(config, *, num_layers: int, num_experts: int, top_k: int, slot_
             raise ValueError("allocation='miss_curve' needs miss curves: set OffloadConfig.miss_curves")
         params = {"curves": config.miss_curves if config.miss_curves is not None else miss_curves()}
     cache_total = plan.cache_total if config.cache else 0
-    slots_per_layer = allocation_from_name(config.allocation, **params).allocate(cache_total, num_layers, num_experts)
+    from fate_lab.policy.placement import host_layer_set
+
+    on_host = host_layer_set(getattr(config, "host", None), getattr(config, "host_layers", 0), num_layers)
+    device = [m for m in range(num_layers) if m not in on_host]  # layers whose experts compute on the device
+    if "curves" in params:
+        params["curves"] = [params["curves"][m] for m in device]
+    if "shallow_layers" in params:
+        params["shallow_layers"] = min(params["shallow_layers"], max(1, len(device)))
+    per_device = allocation_from_name(config.allocation, **params).allocate(cache_total, len(device), num_experts) \
+        if device else []
+    slots_per_layer = [0] * num_layers
+    for m, c in zip(device, per_device):
+        slots_per_layer[m] = c
     return plan, slots_per_layer, buffers

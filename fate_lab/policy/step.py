@@ -9,7 +9,8 @@ What this file is: `needed_order` (which experts a call needs, in the order they
   3. layer m's experts compute one after another from their slots, waiting where a transfer
      is still on the link.
 The caller supplies what differs: `scores()` (the cross-layer scores, computed on the host),
-`compute(e, slot)` (real expert math in the runtime, simulated time in the simulator) and
+`compute(e, slot)` (real expert math in the runtime, simulated time in the simulator; slot is
+`cache.HOST` for an expert the placement computes on the host) and
 `on_predict(seconds)` hooks. What it is not: it keeps no state, moves no bytes, and knows no clock.
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ def run_layer(cache: ExpertCache, predictor: Predictor | None, m: int, idx_host:
     a timeline event; simulator: the host profile's predictor time); None just calls it.
     """
     flat = idx_host.reshape(-1).tolist()  # (T*K,)
-    order = cache.begin(m, needed_order(flat, popularity))
+    counts = Counter(flat) if cache.placement is not None else None
+    order = cache.begin(m, needed_order(flat, popularity), counts)
     if predictor is not None and m + 1 < len(cache.layers):
         def predict() -> list[int]:
             s = scores()  # (T, E) layer m+1's router on layer m's gate input

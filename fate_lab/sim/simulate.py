@@ -28,10 +28,12 @@ import torch
 from fate_lab.model.trace import PREFILL, Trace
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, link_capacity, spec_label
+from fate_lab.offloading.host import HostTime, host_profile
 from fate_lab.offloading.links import LINK_PROFILES, LinkProfile
 from fate_lab.offloading.slots import slot_sizing
 from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
-from fate_lab.policy.cache import ExpertCache
+from fate_lab.policy.cache import HOST, ExpertCache
+from fate_lab.policy.placement import HostPlacement, host_layer_set
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
 from fate_lab.policy.replacement import policy_from_name
@@ -111,6 +113,14 @@ class Hardware:
 
     compute: ComputeProfile
     link: LinkProfile | None  # None: the instant link (transfers take no time)
+    host_ref: tuple[int, float, float] | None = None  # host compute (OffloadConfig.host): the expert whose host
+    # time is charged, (bytes, FLOPs per token, clock scale), as `host.HostTime`; None: the model's own at scale 1
+
+    def host_time(self, profile: str, shape: "ModelShape") -> HostTime:
+        """Seconds one expert takes on the host CPU `profile` (a `host.HOST_PROFILES` key) for n tokens."""
+        if self.host_ref is None:
+            return HostTime(host_profile(profile), shape.nbytes(None), shape.expert_flops())
+        return HostTime(host_profile(profile), *self.host_ref)
 
     @classmethod
     def setup(cls, name: str, expert_bytes: int | None = None) -> "Hardware":
@@ -125,6 +135,8 @@ class Hardware:
             real = _QWEN15_EXPERT_BYTES
             prof = LinkProfile(f"{prof.name} (scaled to a {real / 1e6:.1f} MB expert)", prof.bandwidth * expert_bytes / real,
                                prof.latency, prof.source, scaled_from=name)
+            # the host computes the real model's expert too (fp16: FLOPs per token == bytes)
+            return cls(COMPUTE_PROFILES[comp], prof, (real, float(real), 1.0))
         return cls(COMPUTE_PROFILES[comp], prof)
 
 
@@ -159,6 +171,10 @@ class ModelShape:
     def nbytes(self, spec: QuantSpec | None) -> int:
         """Bytes of one expert travelling at spec (None: full precision)."""
         return expert_nbytes(self.expert_shapes(), spec, dtype=self.dtype)
+
+    def expert_flops(self) -> float:
+        """FLOPs of one routed expert on one token (gate, up and down projections)."""
+        return 2.0 * 3 * self.hidden * self.intermediate
 
 
 
@@ -299,10 +315,16 @@ class _Sim:
                                   link="instant" if hardware.link is None else hardware.link.describe(),
                                   store="simulated", plan=self.plan, slots_per_layer=list(self.slots_per_layer))
         self.link = SimLink(self, hardware.link)
+        self.host_time: HostTime | None = None
+        placement = None
+        if config.host is not None:
+            self.host_time = hardware.host_time(config.host_profile, shape)
+            placement = HostPlacement(config.host, host_layer_set(config.host, config.host_layers, M), self.host_time,
+                                      0.0 if hardware.link is None else hardware.link.transfer_time(shape.nbytes(None)))
         self.cache = ExpertCache(self.slots_per_layer, lambda m, c: policy_from_name(config.replacement, c),
                                  shape.top_k, buffers, self.link, self.stats.layers, cache=config.cache,
                                  admit_on_use=config.admit_prefetch == "on_use",
-                                 link_budget=config.prefetch_budget == "link")
+                                 link_budget=config.prefetch_budget == "link", placement=placement)
         self.predictor: Predictor | None = None
         if config.predictor == "cross_layer_gate":
             self.predictor = CrossLayerGate(config.rule if config.rule is not None else TopK(shape.top_k))
@@ -353,6 +375,11 @@ class _Sim:
 
             def compute(e: int, slot: int, n=counts, m=m) -> None:
                 c0 = self.now
+                if slot == HOST:  # on the host CPU: its profile's time (+ the emulated hold's sleep overshoot)
+                    self.now += self.host_time(n[e]) + comp.link_extra_s
+                    self.stats.layers[m][self.phase].host_s += self.now - c0
+                    self.event("host", m, e, c0, self.now)
+                    return
                 self.now += comp.expert(n[e]) + (comp.expert_cold_s if (m, e) in self.link.fresh else 0.0)
                 self.link.fresh.discard((m, e))
                 self.event("compute", m, e, c0, self.now)

@@ -13,6 +13,7 @@ import dataclasses
 import pandas as pd
 
 from fate_lab.offloading.config import OffloadConfig
+from fate_lab.offloading.host import HostTime
 from fate_lab.sim.calibrate import calibrate_compute
 from fate_lab.sim.simulate import Hardware, ModelShape, simulate
 
@@ -38,8 +39,12 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -
             timed = None if link == "instant" else link  # every other link is emulated on a CPU
             compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s)
             bar.update()
-        prof = None if link == "instant" else resolve_link(link, adapt(model).bytes_per_expert(), layer_s)
-        _hw_cache[key] = (Hardware(compute, prof), layer_s)
+        a = adapt(model)
+        prof = None if link == "instant" else resolve_link(link, a.bytes_per_expert(), layer_s)
+        # host compute on this machine: the runtime's own rule (a scaled link charges the real setup's expert)
+        ht = HostTime.for_run("desktop_ddr4", link, a.bytes_per_expert(),
+                              6.0 * a.hidden_size * a.expert_intermediate_size, layer_s)
+        _hw_cache[key] = (Hardware(compute, prof, (ht.expert_bytes, ht.flops_per_token, ht.scale)), layer_s)
     return _hw_cache[key]
 
 
