@@ -234,7 +234,7 @@ class Runtime:
             x = kwargs.get("inputs_embeds")
         # prefill: a forward that starts the KV cache with more than one token; decode: one token, or
         # several that extend a non-empty KV cache (a speculative verify step)
-        pkv = kwargs.get("past_key_values")
+        pkv = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5 names it `cache`
         past = pkv.get_seq_length() if pkv is not None and hasattr(pkv, "get_seq_length") else 0
         self.phase = "prefill" if x is not None and x.shape[1] > 1 and not past else "decode"
         self.cache.phase = self.phase
