@@ -61,7 +61,8 @@ def load(model: str | Path | None = None, dtype: str = "float32"):
 def _cache_key(path: Path, size: dict) -> str:
     cfg = path / "config.json"
     stamp = [str(path.resolve()), json.dumps(size, sort_keys=True)]
-    for f in sorted(path.glob("*.safetensors")) + [cfg]:
+    # the weights only: side files kept with the model (probes, similarity tables) must not invalidate traces
+    for f in sorted(path.glob("model*.safetensors")) + [cfg]:
         if f.exists():
             stamp.append(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}")
     return hashlib.sha1("|".join(stamp).encode()).hexdigest()[:16]

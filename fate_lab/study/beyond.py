@@ -1,0 +1,92 @@
+"""Side-by-side runs of offloading configs: measured in the runtime, predicted by the simulator, one table.
+
+What it is: `side_by_side(model, tokenizer, prompts, configs, link, slots)` -- the table notebook 07
+and `benchmarks/bench_beyond_fate.py` show: for every config, greedy generation of the same prompts
+through the real offloaded runtime (decode tok/s, TTFT, decode hit rate, experts moved per decode
+token, stall, host calls, and whether the tokens equal the plain model's), with the timed simulator's
+prediction for the same config on a trace of the same prompts, on this machine calibrated ONCE
+(`whatif.machine_hardware`: one layer time scales the runtime's link and the simulator's alike).
+What it is not: a claim about speed on its own; the rows are ratios measured in one run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+import torch
+
+
+def _greedy_ids(model, ids: list[int], new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=model.generation_config.pad_token_id or 0)
+    return out[0, len(ids):].tolist()
+
+
+def runtime_row(model, prompts: list[list[int]], config, new_tokens: int, reference: list[list[int]] | None = None
+                ) -> dict:
+    """One config in the runtime: greedy generate of every prompt, the runtime's counters summed."""
+    from fate_lab.offloading.runtime import offload
+
+    with offload(model, config) as rt:
+        _greedy_ids(model, prompts[0][:8], 3)  # warm-up (its counters are dropped)
+        rt.reset_stats()
+        outs = [_greedy_ids(model, p, new_tokens) for p in prompts]
+        s = rt.stats.summary()
+        pre, dec = rt.stats.forward_s["prefill"], rt.stats.forward_s["decode"]
+        expert_bytes = rt.expert_bytes
+    d, n = s["decode"], max(1, len(dec))
+    row = {"decode tok/s": len(dec) / sum(dec) if dec else float("nan"),
+           "TTFT (ms)": 1e3 * sum(pre) / max(1, len(pre)), "hit rate decode": d["hit_rate"],
+           "experts moved per token": d["bytes_moved"] / expert_bytes / n,
+           "stall (ms/token)": 1e3 * d["stall_s"] / n, "host calls per token": d["host"] / n}
+    if reference is not None:
+        row["same tokens as plain"] = outs == reference
+    return row
+
+
+def side_by_side(model, tokenizer, prompts: list[str], configs: dict, link: str = "qwen15_moe_rtx3090_pcie3",
+                 slots: int | None = None, new_tokens: int = 24, max_prompt_tokens: int = 32,
+                 simulate_too: bool = True) -> pd.DataFrame:
+    """Every config of `configs` (name -> OffloadConfig) measured in the runtime and predicted by the simulator,
+    on the same prompts, link and cache size (`slots`; None keeps each config's own)."""
+    from tqdm.auto import tqdm
+
+    from fate_lab.model.adapters import adapt
+    from fate_lab.model.trace import record_trace
+    from fate_lab.sim.simulate import ModelShape, simulate
+    from fate_lab.sim.whatif import machine_hardware
+
+    ids = [tokenizer(p)["input_ids"][:max_prompt_tokens] for p in prompts]
+    if not ids or any(len(i) < 2 for i in ids):
+        raise ValueError("side_by_side needs prompts of at least 2 tokens")
+    hw, layer_s = machine_hardware(model, tokenizer, link)
+    reference = [_greedy_ids(model, p, new_tokens) for p in ids]
+    trace = record_trace(model, tokenizer, ids, decode_tokens=new_tokens - 1, progress=False) if simulate_too else None
+    shape = ModelShape.from_adapter(adapt(model))
+    rows = []
+    for name, cfg in tqdm(configs.items(), desc="configs", unit="config"):
+        over = {"link": link, "layer_compute_s": layer_s}
+        if slots is not None:
+            over.update(slots=slots, budget=None)
+        cfg = dataclasses.replace(cfg, **over)
+        row = {"config": name, **runtime_row(model, ids, cfg, new_tokens, reference)}
+        if simulate_too:
+            res = simulate(trace, cfg, hw, shape)
+            row["simulated tok/s"] = res.decode_tok_s
+            row["sim / runtime"] = res.decode_tok_s / row["decode tok/s"]
+            row["simulated hit rate"] = res.stats.summary()["decode"]["hit_rate"]
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("config")
+
+
+def markdown(df: pd.DataFrame, digits: int = 3) -> str:
+    """A DataFrame as a GitHub markdown table (index first), numbers to `digits` significant digits."""
+    def cell(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.{digits}g}"
+        return str(v)
+
+    head = [df.index.name or ""] + [str(c) for c in df.columns]
+    rows = [[str(i)] + [cell(v) for v in r] for i, r in zip(df.index, df.itertuples(index=False))]
+    return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
+
