@@ -39,9 +39,10 @@ def _greedy(model, prompt: list[int], new_tokens: int) -> None:
 def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int]) -> None:
     trace = record_trace(model, None, prompts, decode_tokens=new_tokens - 1, progress=False)
     shape = ModelShape.from_adapter(adapt(model))
-    for name in PRESETS:
+    configs = [(n, {}) for n in PRESETS] + [("fate", {"replacement": "router_ema"})]  # a policy reading the router
+    for name, over in configs:
         for slots in budgets:
-            cfg = OffloadConfig.preset(name, link="instant", slots=slots)
+            cfg = OffloadConfig.preset(name, link="instant", slots=slots, **over)
             with offload(model, cfg) as rt:
                 for p in prompts:
                     _greedy(model, p, new_tokens)

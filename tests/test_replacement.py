@@ -1,5 +1,6 @@
 """Replacement policies: step-by-step sequences with hand-derived states, plus invariants."""
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +142,27 @@ def test_policy_from_name_errors():
         policy_from_name("belady", 2)
     with pytest.raises(ValueError, match="capacity"):
         LRU(-1)
+
+
+def test_router_ema_by_hand():
+    from fate_lab.policy.replacement import RouterEMA
+
+    p = RouterEMA(2, decay=0.5)
+    assert p.wants_scores
+    p.observe([0.6, 0.3, 0.1])  # scores 0.3, 0.15, 0.05
+    assert p.admit(0) is None and p.admit(2) is None
+    p.observe([0.1, 0.1, 0.8])  # scores 0.2, 0.125, 0.425
+    assert p.admit(1, protect=frozenset({1})) == 0  # lowest score 0.2 goes, though 2 is older
+    assert sorted(p.resident()) == [1, 2]
+    p.observe([0.0, 0.0, 0.0], n_tokens=2)  # decay 0.25: 0.05, 0.03125, 0.10625
+    assert p.resident() == [1, 2]
+    assert p.admit(0, protect=frozenset({1, 2})) == 0  # everything protected: not cached
+    with pytest.raises(ValueError, match="decay"):
+        RouterEMA(2, decay=1.0)
+
+
+def test_router_ema_replay_needs_router_scores():
+    from fate_lab.sim.replay import replay
+
+    with pytest.raises(ValueError, match="router"):
+        replay(torch.zeros(3, 1, 1, dtype=torch.long), slots_per_layer=1, policy="router_ema")

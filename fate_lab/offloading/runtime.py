@@ -323,7 +323,8 @@ class Runtime:
         low = self.quant.prefill_low_count if self.quant is not None and self.phase == "prefill" else None
         try:
             run_layer(self.cache, self.predictor, m, idx_host, scores, compute, self.config.popularity_order, low,
-                      timed_predict)
+                      timed_predict, lambda: next_layer_scores(self.router_host[m], hidden_states,
+                                                               self.adapter.router_spec.scoring))
         except TransferError:  # the link is gone: give the caller its model back, then fail loudly
             self.close()
             raise

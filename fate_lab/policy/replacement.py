@@ -12,6 +12,9 @@ Contract shared by every policy (the replay and the runtime rely on it):
   If nothing can be evicted (capacity 0, or every resident id is protected) it returns ``e``
   itself, meaning "not cached": the caller uses the expert from a transient buffer.
 - ``admit`` of an already-resident id is treated as ``access`` and returns None.
+- A policy with ``wants_scores = True`` also gets ``observe(probs, n_tokens)`` once per experts
+  call, BEFORE its accesses: the router's probability of every expert of its layer, averaged over
+  the call's n tokens (the drivers compute it from the gate input, as the predictor does).
 
 This module is not the slot manager: it never decides *when* to load, only *what* to drop.
 """
@@ -28,6 +31,10 @@ class ReplacementPolicy:
 
     name = "base"
     capacity: int
+    wants_scores = False  # True: the drivers call observe() with the router's probabilities
+
+    def observe(self, probs: Sequence[float], n_tokens: int = 1) -> None:
+        """The router's probabilities of this layer's E experts, averaged over a call's n tokens."""
 
     def __contains__(self, e: int) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
@@ -395,17 +402,82 @@ class LRFU(ReplacementPolicy):
         return victim
 
 
+class RouterEMA(ReplacementPolicy):
+    """Soft frequency from the router itself: evict the resident expert with the lowest decayed
+    average of the router's probability (our policy beyond ARC).
+
+    LRU, ARC and LRFU see only the top-k experts each token picked; the router's full distribution
+    also says which experts came close. Each token decays every score by ``decay`` and adds
+    ``(1 - decay) x p(e)``; a call of n tokens with mean probabilities p does it n times at once
+    (``decay ** n``). Ties go to the least recently used. ``decay=0.9`` (about a 10-token memory)
+    was the best of 0.5-0.98 on the embedded model's calibration trace (see
+    benchmarks/results/replacement_2026-11-30.md).
+    """
+
+    name = "router_ema"
+    wants_scores = True
+
+    def __init__(self, capacity: int, decay: float = 0.9):
+        self.capacity = _check_capacity(capacity)
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self._score: list[float] = []
+        self._last: dict[int, int] = {}
+        self._res: set[int] = set()
+        self._t = 0
+
+    def observe(self, probs: Sequence[float], n_tokens: int = 1) -> None:
+        """Decay every score n_tokens times and add the call's mean probabilities."""
+        d = self.decay ** max(1, n_tokens)
+        if not self._score:
+            self._score = [0.0] * len(probs)
+        self._score = [d * a + (1.0 - d) * b for a, b in zip(self._score, probs)]
+
+    def _key(self, e: int) -> tuple[float, int]:
+        return (self._score[e] if e < len(self._score) else 0.0, self._last.get(e, -1))
+
+    def __contains__(self, e: int) -> bool:
+        return e in self._res
+
+    def resident(self) -> list[int]:
+        """Resident ids, lowest score (next victim) first."""
+        return sorted(self._res, key=self._key)
+
+    def access(self, e: int) -> None:
+        """A use: only the recency (tie-break) changes; the score follows the router."""
+        self._t += 1
+        self._last[e] = self._t
+
+    def admit(self, e: int, protect: frozenset[int] = frozenset()) -> int | None:
+        """Insert ``e``; evict the unprotected resident with the lowest score."""
+        if e in self._res:
+            self.access(e)
+            return None
+        victim = None
+        if len(self._res) >= self.capacity:
+            candidates = [x for x in self._res if x not in protect]
+            if not candidates:
+                return e
+            victim = min(candidates, key=self._key)
+            self._res.discard(victim)
+        self._res.add(e)
+        self.access(e)
+        return victim
+
+
 POLICIES: dict[str, Callable[..., ReplacementPolicy]] = {
     "lru": LRU,
     "lfu": LFU,
     "arc": ARC,
     "belady": Belady,
     "lrfu": LRFU,
+    "router_ema": RouterEMA,
 }
 
 
 def policy_from_name(name: str, capacity: int, **kw) -> ReplacementPolicy:
-    """Build a policy by name (lru, lfu, arc, belady (needs future=...), lrfu)."""
+    """Build a policy by name (lru, lfu, arc, belady (needs future=...), lrfu, router_ema)."""
     key = name.lower()
     if key not in POLICIES:
         raise ValueError(f"unknown replacement policy {name!r}; choose one of {sorted(POLICIES)}")

@@ -38,13 +38,24 @@ def needed_order(flat: list[int], popularity: bool) -> list[int]:
 def run_layer(cache: ExpertCache, predictor: Predictor | None, m: int, idx_host: Tensor,
               scores: Callable[[], Tensor | None], compute: Callable[[int, int], None],
               popularity: bool = True, low_count: Callable[[int], int] | None = None,
-              timed_predict: Callable[[Callable[[], list[int]]], list[int]] | None = None) -> list[int]:
+              timed_predict: Callable[[Callable[[], list[int]]], list[int]] | None = None,
+              router_scores: Callable[[], Tensor] | None = None) -> list[int]:
     """One experts call of MoE layer m with routing idx_host [T, K]; returns the compute order.
+
+    `router_scores()` gives layer m's own router probabilities [T, E], asked only when its
+    replacement policy wants them (`ReplacementPolicy.wants_scores`).
 
     `timed_predict(fn)` runs the host-side prediction `fn` and accounts for its time (runtime:
     a timeline event; simulator: the host profile's predictor time); None just calls it.
     """
     flat = idx_host.reshape(-1).tolist()  # (T*K,)
+    policy = cache.layers[m].policy
+    if policy.wants_scores:
+        if router_scores is None:
+            raise ValueError(f"replacement policy {policy.name!r} needs the router's probabilities; this driver "
+                             "gives none (a routing-only trace?)")
+        p = router_scores()  # (T, E)
+        policy.observe(p.mean(dim=0).tolist(), p.shape[0])
     counts = Counter(flat) if cache.placement is not None else None
     order = cache.begin(m, needed_order(flat, popularity), counts)
     if predictor is not None and m + 1 < len(cache.layers):

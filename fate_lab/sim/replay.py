@@ -86,7 +86,7 @@ class _Landed:
 
 def _replay_layer(
     uses: list[list[int]], preds: list | None, phases: list[int], pol: ReplacementPolicy, buffer: int = 0,
-    top_k: int = 1, admit_prefetch: str = "on_load",
+    top_k: int = 1, admit_prefetch: str = "on_load", probs: list[list[float]] | None = None,
 ) -> dict[str, int]:
     """Replay one layer's uses (``uses[t]`` = ids, in the router's order) through one ExpertCache."""
     link = _Landed()
@@ -100,6 +100,8 @@ def _replay_layer(
         if tick is not None:
             tick(t)
         cache.phase = PHASES[phases[t]]
+        if probs is not None:
+            pol.observe(probs[t], 1)
         if preds is not None and preds[t]:
             prefetch(0, preds[t])
         elif preds is not None:
@@ -182,6 +184,20 @@ def _prepare(experts, predictions: Predictions | None, phase):
     return uses, preds, phases, L, k, phase is not None
 
 
+def _router_probs(trace, L: int) -> list[list[list[float]]]:
+    """Per layer, each token's router probabilities [N][E], from the trace's gate inputs and router weights
+    (the product the runtime and the simulator compute), for policies that read the router."""
+    from fate_lab.model.trace import Trace
+    from fate_lab.policy.predictors import next_layer_scores
+
+    if not isinstance(trace, Trace) or trace.gate_inputs is None or trace.router_weights is None:
+        raise ValueError("this replacement policy reads the router's probabilities: replay a Trace recorded with "
+                         "gate inputs and router weights (record_trace)")
+    scoring = trace.meta.get("scoring", "softmax")
+    gi = trace.gate_inputs.float()
+    return [next_layer_scores(trace.router_weights[l].float(), gi[:, l], scoring).tolist() for l in range(L)]
+
+
 def _slots(slots_per_layer, L: int) -> list[int]:
     if isinstance(slots_per_layer, int) and not isinstance(slots_per_layer, bool):
         slots_per_layer = [slots_per_layer] * L
@@ -223,9 +239,11 @@ def replay(
     uses, preds, phases, L, k, has_phase = _prepare(experts, predictions, phase)
     slots = _slots(slots_per_layer, L)
     kw = policy_kw or {}
+    pols = [_make_policy(policy, s, uses[l], kw) for l, s in enumerate(slots)]
+    probs = _router_probs(experts, L) if any(p.wants_scores for p in pols) else [None] * L
     counts = [
-        _replay_layer(uses[l], None if preds is None else preds[l], phases, _make_policy(policy, s, uses[l], kw),
-                      prefetch_buffer, k, admit_prefetch)
+        _replay_layer(uses[l], None if preds is None else preds[l], phases, pols[l], prefetch_buffer, k,
+                      admit_prefetch, probs[l])
         for l, s in enumerate(slots)
     ]
     return _combine(counts, slots, expert_bytes, has_phase)

@@ -36,7 +36,7 @@ from fate_lab.policy.cache import HOST, ExpertCache
 from fate_lab.policy.placement import HostPlacement, host_layer_set
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
-from fate_lab.policy.replacement import policy_from_name
+from fate_lab.policy.replacement import POLICIES, policy_from_name
 from fate_lab.policy.step import run_layer
 from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
 
@@ -396,8 +396,13 @@ class _Sim:
                 self.event("predict", m, -1, p0, self.now)
                 return out
 
+            def own_scores(m=m):
+                if gate_inputs is None:
+                    return None
+                return next_layer_scores(router_weights[m], gate_inputs[:, m], self.shape.scoring)
+
             run_layer(self.cache, self.predictor, m, idx, scores, compute, self.config.popularity_order, low,
-                      timed_predict)
+                      timed_predict, own_scores if gate_inputs is not None else None)
             self.stats.layers[m][self.phase].compute_s += self.now - t_call
         dt = self.now - t0
         self.stats.forward_s[self.phase].append(dt)
@@ -429,9 +434,11 @@ def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: Mod
     if trace.num_layers != shape.num_moe_layers or trace.top_k != shape.top_k:
         raise ValueError(f"the trace has {trace.num_layers} MoE layers x top-{trace.top_k}, the shape "
                          f"{shape.num_moe_layers} x top-{shape.top_k}")
-    needs_gate = config.predictor == "cross_layer_gate"
+    needs_gate = config.predictor == "cross_layer_gate" or \
+        getattr(POLICIES.get(config.replacement.lower()), "wants_scores", False)  # router_ema reads the router
     if needs_gate and (trace.gate_inputs is None or trace.router_weights is None):
-        raise ValueError("the cross-layer gate predictor needs a trace with gate inputs and router weights "
+        raise ValueError("the cross-layer gate predictor and score-reading replacement policies need a trace with "
+                         "gate inputs and router weights "
                          "(record it with record_trace); routing-only traces support predictor=None or "
                          "'activation_path'")
     sim = _Sim(config, hardware, shape, curves=miss_curves)
