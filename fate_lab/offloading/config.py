@@ -56,12 +56,19 @@ class OffloadConfig:
     # computes on the host when that takes less than its transfer (Fiddler); "layers": the first
     # `host_layers` MoE layers' experts live and compute on the host (llama.cpp --n-cpu-moe)
     host_layers: int = 0  # host="layers": how many MoE layers, from the first; -1: all (kTransformers)
+    lossy: str | None = None  # None: every expert computes as routed; "drop" | "substitute" | "commit":
+    # what a decode step does with a miss (lossy.MissPolicy; the output changes, quality is measured)
+    lossy_threshold: float = 0.1  # drop/substitute: a miss below this share of the token's top-k gate weight;
+    # commit: the router is uncertain when its top-k hold less than this probability mass
+    min_similarity: float | None = None  # substitute: no stand-in below this similarity (the miss is dropped)
+    similarity: str | None = None  # substitute: the model folder keeping expert_similarity.safetensors
+    # (python -m fate_lab.policy.similarity --model DIR); None: the embedded model's
     host_profile: str = "desktop_ddr4"  # host.HOST_PROFILES key: the CPU whose time a host call takes
     # (emulated on a CPU-only machine: the expert really computes, then the call holds for that time)
 
     @staticmethod
     def preset_names(include_quant: bool = False) -> list[str]:
-        """Names accepted by `preset`; the quantized ones (whose output differs) only with include_quant."""
+        """Names accepted by `preset`; the quantized and lossy ones (whose output differs) only with include_quant."""
         return list(_PRESETS) + (list(_QUANT_PRESETS) if include_quant else [])
 
     @classmethod
@@ -94,6 +101,15 @@ class OffloadConfig:
             raise ValueError(f"OffloadConfig.host_layers={self.host_layers!r}: give a number of MoE layers, or -1 for all")
         if self.host == "layers" and self.host_layers == 0:
             raise ValueError("OffloadConfig(host='layers') needs host_layers > 0 (or -1: every layer)")
+        if self.lossy is not None:
+            from fate_lab.policy.lossy import LOSSY_KINDS
+
+            if self.lossy not in LOSSY_KINDS:
+                raise ValueError(f"OffloadConfig.lossy={self.lossy!r}; choose None or one of {list(LOSSY_KINDS)}")
+            if self.host is not None or self.quant is not None:
+                raise ValueError("a lossy miss policy runs alone: set host=None and quant=None with lossy=...")
+        if not (isinstance(self.lossy_threshold, (int, float)) and 0.0 <= self.lossy_threshold <= 1.0):
+            raise ValueError(f"OffloadConfig.lossy_threshold={self.lossy_threshold!r}: give a number in [0, 1]")
         if self.host is not None and self.quant is not None:
             raise ValueError("host compute runs full-precision experts; it cannot be combined with quant="
                              f"{self.quant!r} (choose one)")
@@ -134,8 +150,8 @@ _PRESETS: dict[str, OffloadConfig] = {
                               host_layers=-1),
 }
 
-# Quantized presets: the same runtime policies as `fate`, experts stored and moved packed.
-# Their output differs from the full-precision model's, so `preset_names()` lists them apart.
+# Presets whose output differs from the full-precision model's (`preset_names()` lists them apart):
+# quantized ones (the same runtime policies as `fate`, experts stored and moved packed) and lossy ones.
 _QUANT_PRESETS: dict[str, OffloadConfig] = {
     # Fate's scheme: INT4 cache/prefetch, INT2 misses and least popular prefill experts
     "fate_quant": dataclasses.replace(_PRESETS["fate"], name="fate_quant", quant="fate"),
@@ -143,6 +159,10 @@ _QUANT_PRESETS: dict[str, OffloadConfig] = {
     "fate_int8": dataclasses.replace(_PRESETS["fate"], name="fate_int8", quant="int8"),
     # plain LRU offloading with fate_quant's precisions (INT4 cached, INT2 misses): equal bytes
     "lru_quant": dataclasses.replace(_PRESETS["lru"], name="lru_quant", quant="fate"),
+    # lossy decode steps on fate's pipeline (policy/lossy.py); thresholds from benchmarks/bench_lossy.py
+    "drop_low": dataclasses.replace(_PRESETS["fate"], name="drop_low", lossy="drop", lossy_threshold=0.1),
+    "substitute": dataclasses.replace(_PRESETS["fate"], name="substitute", lossy="substitute", lossy_threshold=0.1),
+    "commit": dataclasses.replace(_PRESETS["fate"], name="commit", lossy="commit", lossy_threshold=0.5),
 }
 
 

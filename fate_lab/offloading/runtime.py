@@ -49,6 +49,7 @@ from fate_lab.offloading.transfer import (
 )
 from fate_lab.policy.allocation import lru_miss_curves
 from fate_lab.policy.cache import HOST, ExpertCache
+from fate_lab.policy.lossy import MissPolicy
 from fate_lab.policy.placement import HostPlacement, host_layer_set
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
@@ -150,6 +151,7 @@ class Runtime:
                                               2 * (gu[0] * gu[1] + dn[0] * dn[1]), self.layer_compute_s)
             placement = HostPlacement(config.host, host_layer_set(config.host, config.host_layers, M), self.host_time,
                                       0.0 if self.link is None else self.link.transfer_time(self.expert_bytes))
+        self.miss_policy = build_miss_policy(config, M, self.num_experts)
         self.cache = ExpertCache(
             self.slots_per_layer, lambda m, c: policy_from_name(config.replacement, c), self.top_k,
             self.prefetch_buffers, EngineLink(self, self.engine), self.stats.layers, cache=config.cache,
@@ -322,14 +324,21 @@ class Runtime:
 
         low = self.quant.prefill_low_count if self.quant is not None and self.phase == "prefill" else None
         try:
-            run_layer(self.cache, self.predictor, m, idx_host, scores, compute, self.config.popularity_order, low,
-                      timed_predict, lambda: next_layer_scores(self.router_host[m], hidden_states,
-                                                               self.adapter.router_spec.scoring))
+            order = run_layer(self.cache, self.predictor, m, idx_host, scores, compute, self.config.popularity_order,
+                              low, timed_predict, lambda: next_layer_scores(self.router_host[m], hidden_states,
+                                                                            self.adapter.router_spec.scoring),
+                              self.miss_policy, top_k_weights.detach().to("cpu") if self.miss_policy else None)
         except TransferError:  # the link is gone: give the caller its model back, then fail loudly
             self.close()
             raise
         self.stats.layers[m][self.phase].compute_s += time.perf_counter() - t_call
-        return weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # (T, H)
+        out = weighted.view(T, K, -1).sum(dim=1)  # (T, H)
+        if len(order) < len(set(flat)):  # a lossy step dropped experts: renormalise over the ones kept
+            kept = torch.tensor([e in set(order) for e in flat], device=flat_w.device)  # (T*K,)
+            w_all, w_kept = flat_w.sum(), (flat_w * kept).sum()
+            if w_kept > 0:
+                out = out * (w_all / w_kept)
+        return out.to(hidden_states.dtype)
 
     # --- counters -------------------------------------------------------------------------
     def stall(self, m: int, e: int, w0: float, w1: float) -> None:
@@ -437,6 +446,22 @@ class Runtime:
                 self.engine.close()
         except Exception:
             pass
+
+
+def build_miss_policy(config: OffloadConfig, num_layers: int, num_experts: int) -> MissPolicy | None:
+    """The lossy decode rule of a config (None: lossless); substitute loads the similarity table and checks it."""
+    if config.lossy is None:
+        return None
+    table = None
+    if config.lossy == "substitute":
+        from fate_lab.policy.similarity import load_similarity
+
+        table = load_similarity(config.similarity)
+        if (table.num_layers, table.num_experts) != (num_layers, num_experts):
+            raise ValueError(f"the expert similarity table is for {table.num_layers} MoE layers x {table.num_experts} "
+                             f"experts, the model has {num_layers} x {num_experts}: compute one for this model "
+                             f"(python -m fate_lab.policy.similarity --model DIR) and set similarity=DIR")
+    return MissPolicy(config.lossy, config.lossy_threshold, table, config.min_similarity)
 
 
 def offload(model: nn.Module, config: OffloadConfig | None = None) -> Runtime:

@@ -24,8 +24,10 @@ class PhaseStats:
     uses: int = 0  # distinct experts needed, summed over calls
     hits: int = 0  # valid in a slot when needed (cached or prefetched in time)
     late: int = 0  # prefetch still in flight when needed (waited for: stall)
-    misses: int = 0  # neither: loaded on demand, or computed on the host
+    misses: int = 0  # neither: loaded on demand, computed on the host, dropped or substituted
     host: int = 0  # ... of the misses, computed on the host (no transfer)
+    dropped: int = 0  # ... of the misses, not computed (lossy decode step; output renormalised)
+    substituted: int = 0  # ... of the misses, a resident expert computed in their place
     prefetch_issued: int = 0  # transfers queued by the predictor for this layer
     prefetch_useful: int = 0  # ... whose expert this layer then used
     prefetch_wasted: int = 0  # ... not used (cancelled while queued, or moved for nothing)

@@ -34,6 +34,10 @@ compute where it lives instead of being loaded; it takes no slot and moves no by
 returns `HOST` for it, and it computes right after the resident experts (its host time hides the
 transfers of the misses that are loaded). It still counts as a miss (it was not on the device),
 and in `host`.
+Lossy decode steps (`miss_plan`, from `lossy.MissPolicy`): a miss may be dropped (not computed, no
+transfer; the driver renormalises) or stood in for by a resident expert f of the same layer (`acquire`
+returns f's slot). Stand-ins compute first, before any slot is released; both count as misses and in
+`dropped` / `substituted`.
 """
 from __future__ import annotations
 
@@ -100,6 +104,7 @@ class LayerState:
     pending: set[int] = field(default_factory=set)  # needed by the current call, not computed yet
     deferred: list[int] = field(default_factory=list)  # misses still waiting for a slot
     host: set[int] = field(default_factory=set)  # needed by the current call, computed on the host
+    subst: dict[int, int] = field(default_factory=dict)  # missed expert -> resident stand-in (this call)
 
     @property
     def free(self) -> list[int]:
@@ -143,9 +148,11 @@ class ExpertCache:
         self.zombies: list[tuple[int, Any]] = []  # staging slots whose unneeded transfer runs on
 
     # --- the layer step -----------------------------------------------------------------
-    def begin(self, m: int, needed: list[int], counts: dict[int, int] | None = None) -> list[int]:
+    def begin(self, m: int, needed: list[int], counts: dict[int, int] | None = None,
+              miss_plan: Callable[[list[int], set[int]], dict[int, int | None]] | None = None) -> list[int]:
         """Layer m starts with the distinct experts `needed` (counts[e]: tokens routed to e, for the host
-        placement; default 1): returns the order to compute them in."""
+        placement; default 1): returns the order to compute them in (dropped experts are left out).
+        miss_plan(misses, resident) -> {e: stand-in or None (drop)} for a lossy decode step."""
         layer, st = self.layers[m], self.stats[m][self.phase]
         st.calls += 1
         self._reap()
@@ -183,8 +190,19 @@ class ExpertCache:
                     missing.append(e)
         st.host += len(host)
         layer.host = set(host)
-        order = ready + host + waiting + missing  # resident first: their compute hides the transfers
-        layer.pending = set(order)
+        subst: dict[int, int] = {}
+        if miss_plan is not None and missing:
+            for e, f in miss_plan(list(missing), layer.resident()).items():
+                missing.remove(e)
+                if f is None:
+                    st.dropped += 1
+                else:
+                    subst[e] = f
+                    st.substituted += 1
+        layer.subst = subst
+        # stand-ins first (their slots are certain now), then resident: their compute hides the transfers
+        order = list(subst) + ready + host + waiting + missing
+        layer.pending = set(order) | set(subst.values())
         for e in waiting:  # a needed prefetch still queued becomes urgent: it goes before the misses
             inf = layer.inflight[e]
             if not inf.urgent and self.link.cancel(inf.handle):
@@ -226,6 +244,9 @@ class ExpertCache:
         layer = self.layers[m]
         if e in layer.host:
             return HOST
+        if e in layer.subst:
+            f = layer.subst[e]
+            return layer.staged.get(f, layer.where.get(f))
         while layer.deferred and self._demand(m, layer.deferred[0]):  # slots freed by computed experts
             layer.deferred.pop(0)
         if layer.deferred and layer.deferred[0] == e:  # e is next and still has no slot: make one free
@@ -258,6 +279,7 @@ class ExpertCache:
         layer = self.layers[m]
         layer.pending.clear()
         layer.host.clear()
+        layer.subst = {}
         if not self.cache_enabled:
             layer.valid.clear()
 

@@ -21,6 +21,7 @@ from typing import Callable
 from torch import Tensor
 
 from fate_lab.policy.cache import ExpertCache
+from fate_lab.policy.lossy import MissPolicy
 from fate_lab.policy.predictors import Predictor
 
 
@@ -39,11 +40,14 @@ def run_layer(cache: ExpertCache, predictor: Predictor | None, m: int, idx_host:
               scores: Callable[[], Tensor | None], compute: Callable[[int, int], None],
               popularity: bool = True, low_count: Callable[[int], int] | None = None,
               timed_predict: Callable[[Callable[[], list[int]]], list[int]] | None = None,
-              router_scores: Callable[[], Tensor] | None = None) -> list[int]:
+              router_scores: Callable[[], Tensor] | None = None, miss_policy: MissPolicy | None = None,
+              weights: Tensor | None = None) -> list[int]:
     """One experts call of MoE layer m with routing idx_host [T, K]; returns the compute order.
 
     `router_scores()` gives layer m's own router probabilities [T, E], asked only when its
-    replacement policy wants them (`ReplacementPolicy.wants_scores`).
+    replacement policy wants them (`ReplacementPolicy.wants_scores`) or the commit rule needs them.
+    `miss_policy` (lossy decode steps) reads the token's top-k gate `weights` [1, K]; experts it
+    drops are missing from the returned order (the caller renormalises).
 
     `timed_predict(fn)` runs the host-side prediction `fn` and accounts for its time (runtime:
     a timeline event; simulator: the host profile's predictor time); None just calls it.
@@ -57,7 +61,20 @@ def run_layer(cache: ExpertCache, predictor: Predictor | None, m: int, idx_host:
         p = router_scores()  # (T, E)
         policy.observe(p.mean(dim=0).tolist(), p.shape[0])
     counts = Counter(flat) if cache.placement is not None else None
-    order = cache.begin(m, needed_order(flat, popularity), counts)
+    miss_plan = None
+    if miss_policy is not None and idx_host.shape[0] == 1 and cache.phase == "decode":
+        w = weights.reshape(-1).tolist()  # (K,) gate weights of the token's experts, in flat's order
+        total = sum(w) or 1.0
+        share: dict[int, float] = {}
+        for e, wi in zip(flat, w):
+            share[e] = share.get(e, 0.0) + wi / total
+        mass = None
+        if miss_policy.kind == "commit":
+            if router_scores is None:
+                raise ValueError("the commit policy needs the router's probabilities; this driver gives none")
+            mass = float(router_scores()[0].topk(len(flat)).values.sum())  # router mass on its top-k
+        miss_plan = lambda missing, resident: miss_policy.plan(m, missing, share, resident, mass)  # noqa: E731
+    order = cache.begin(m, needed_order(flat, popularity), counts, miss_plan)
     if predictor is not None and m + 1 < len(cache.layers):
         def predict() -> list[int]:
             s = scores()  # (T, E) layer m+1's router on layer m's gate input

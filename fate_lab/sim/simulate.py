@@ -321,6 +321,9 @@ class _Sim:
             self.host_time = hardware.host_time(config.host_profile, shape)
             placement = HostPlacement(config.host, host_layer_set(config.host, config.host_layers, M), self.host_time,
                                       0.0 if hardware.link is None else hardware.link.transfer_time(shape.nbytes(None)))
+        from fate_lab.offloading.runtime import build_miss_policy
+
+        self.miss_policy = build_miss_policy(config, M, shape.num_experts)
         self.cache = ExpertCache(self.slots_per_layer, lambda m, c: policy_from_name(config.replacement, c),
                                  shape.top_k, buffers, self.link, self.stats.layers, cache=config.cache,
                                  admit_on_use=config.admit_prefetch == "on_use",
@@ -354,8 +357,9 @@ class _Sim:
             self.event("stall", m, e, w0, w1)
 
     def forward(self, experts: torch.Tensor, gate_inputs: torch.Tensor | None, router_weights,
-                phase: str | None = None) -> float:
-        """One forward (a prefill step or a decode token): experts [T, M, K], gate_inputs [T, M, H].
+                phase: str | None = None, weights: torch.Tensor | None = None) -> float:
+        """One forward (a prefill step or a decode token): experts [T, M, K], gate_inputs [T, M, H],
+        weights [T, M, K] (the top-k gate weights; lossy configs only).
         phase: None infers it (T > 1: prefill); "decode" with T > 1 is a speculative verify step."""
         T = experts.shape[0]
         comp, M = self.hw.compute, self.shape.num_moe_layers
@@ -402,7 +406,8 @@ class _Sim:
                 return next_layer_scores(router_weights[m], gate_inputs[:, m], self.shape.scoring)
 
             run_layer(self.cache, self.predictor, m, idx, scores, compute, self.config.popularity_order, low,
-                      timed_predict, own_scores if gate_inputs is not None else None)
+                      timed_predict, own_scores if gate_inputs is not None else None, self.miss_policy,
+                      None if weights is None else weights[:, m])
             self.stats.layers[m][self.phase].compute_s += self.now - t_call
         dt = self.now - t0
         self.stats.forward_s[self.phase].append(dt)
@@ -434,7 +439,10 @@ def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: Mod
     if trace.num_layers != shape.num_moe_layers or trace.top_k != shape.top_k:
         raise ValueError(f"the trace has {trace.num_layers} MoE layers x top-{trace.top_k}, the shape "
                          f"{shape.num_moe_layers} x top-{shape.top_k}")
-    needs_gate = config.predictor == "cross_layer_gate" or \
+    if config.lossy in ("drop", "substitute") and trace.weights is None:
+        raise ValueError(f"lossy={config.lossy!r} reads the top-k gate weights: simulate a trace that has them "
+                         "(record_trace keeps them)")
+    needs_gate = config.predictor == "cross_layer_gate" or config.lossy == "commit" or \
         getattr(POLICIES.get(config.replacement.lower()), "wants_scores", False)  # router_ema reads the router
     if needs_gate and (trace.gate_inputs is None or trace.router_weights is None):
         raise ValueError("the cross-layer gate predictor and score-reading replacement policies need a trace with "
@@ -445,7 +453,8 @@ def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: Mod
     gi = trace.gate_inputs.float() if needs_gate else None
     rw = [w.float() for w in trace.router_weights] if needs_gate else None
     for a, b in trace_steps(trace):
-        sim.forward(trace.experts[a:b], None if gi is None else gi[a:b], rw)
+        sim.forward(trace.experts[a:b], None if gi is None else gi[a:b], rw,
+                    weights=None if config.lossy is None else trace.weights[a:b])
     pre, dec = sim.stats.forward_s["prefill"], sim.stats.forward_s["decode"]
     return SimResult(sim.stats, sum(pre) / len(pre) if pre else float("nan"),
                      len(dec) / sum(dec) if dec and sum(dec) > 0 else float("nan"), list(sim.slots_per_layer), hardware)
