@@ -151,14 +151,22 @@ def _compare(logits_fp: torch.Tensor, logits_q: torch.Tensor, target: torch.Tens
 
 
 @torch.no_grad()
-def measure(model_q: nn.Module, reference: Reference, progress: bool = True) -> dict:
-    """The quality numbers of model_q (any model: offloaded, quantized copy, ...) against the reference."""
+def measure(model_q: nn.Module, reference: Reference, progress: bool = True, stepwise: bool = False) -> dict:
+    """The quality numbers of model_q (any model: offloaded, quantized copy, ...) against the reference.
+
+    stepwise: run each held-out window token by token (every position a decode step, teacher-forced)
+    instead of one forward: the perplexity of a policy that acts in decode steps only (lossy.MissPolicy).
+    """
     win = [0.0] * 5  # nll_fp, nll_q, kl, agree, n
     dec = [0.0] * 5
     bar = tqdm(total=len(reference.windows) + len(reference.continuations), desc="quality", unit="input",
                disable=not progress, leave=False)
     for ids, logits_fp in zip(reference.windows, reference.window_logits):
-        logits_q = model_q(input_ids=ids.to(_device(model_q))).logits[:, :-1]  # (B, T-1, V)
+        if stepwise:
+            logits_q = torch.cat([_decode(model_q, row[None, :1], row.numel() - 1, forced=row[None, 1:])[1]
+                                  for row in ids])  # (B, T-1, V)
+        else:
+            logits_q = model_q(input_ids=ids.to(_device(model_q))).logits[:, :-1]  # (B, T-1, V)
         win = [a + b for a, b in zip(win, _compare(logits_fp, logits_q, ids[:, 1:]))]
         bar.update(1)
     for prompt, tokens, logits_fp in zip(reference.prompts, reference.continuations, reference.decode_logits):
@@ -177,19 +185,72 @@ def measure(model_q: nn.Module, reference: Reference, progress: bool = True) -> 
     }
 
 
-def lossy_quality(model: nn.Module, config: OffloadConfig, reference: Reference, progress: bool = True) -> dict:
+def lossy_quality(model: nn.Module, config: OffloadConfig, reference: Reference, progress: bool = True,
+                  stepwise: bool | None = None) -> dict:
     """Offload model with config, measure it against the reference, close the runtime; the numbers.
 
-    Adds the config's name and the runtime's hit rates (prefill, decode) and bytes moved.
+    Adds the config's name, the runtime's hit rates (prefill, decode), bytes moved, and its decode
+    tok/s over every decode step of the measurement. stepwise (see `measure`) defaults to True for
+    a lossy config, whose rules act in decode steps only.
     """
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate', slots=64)), "
                         f"got {type(config).__name__}")
     if is_offloaded(model):
         raise RuntimeError("this model is already offloaded by a Runtime; close() it, then pass the plain model")
+    stepwise = config.lossy is not None if stepwise is None else stepwise
     with offload(model, config) as rt:
-        out = measure(model, reference, progress)
+        out = measure(model, reference, progress, stepwise)
         summary = rt.stats.summary()
+        dec = rt.stats.forward_s["decode"]
     return {"config": config.name, **out, "hit_rate_prefill": summary["prefill"]["hit_rate"],
             "hit_rate_decode": summary["decode"]["hit_rate"],
-            "mib_moved": (summary["prefill"]["bytes_moved"] + summary["decode"]["bytes_moved"]) / 2**20}
+            "mib_moved": (summary["prefill"]["bytes_moved"] + summary["decode"]["bytes_moved"]) / 2**20,
+            "decode_tok_s": len(dec) / sum(dec) if dec else float("nan"),
+            "dropped_share": summary["decode"]["dropped"] / max(1, summary["decode"]["uses"]),
+            "substituted_share": summary["decode"]["substituted"] / max(1, summary["decode"]["uses"])}
+
+
+LOSSY_PRESET = {"drop": "drop_low", "substitute": "substitute", "commit": "commit"}
+
+
+def sweep_lossy(model: nn.Module, tokenizer, thresholds: dict[str, list[float]], link: str = "qwen15_moe_rtx3090_pcie3",
+                slots: int | None = None, n_tokens: int = 256, n_prompts: int = 2, decode_tokens: int = 16,
+                baselines: tuple[str, ...] = ("fate", "fate_quant", "lru_quant"), progress: bool = True):
+    """Quality and speed of each lossy rule at each threshold (and the baselines), measured in the runtime in
+    one run: every config decodes the same held-out text token by token over the same link (a scaled link
+    is calibrated once), so its decode tok/s and its quality come from the same decode steps.
+
+    thresholds: {"drop" | "substitute" | "commit": [threshold, ...]}. Returns a DataFrame, one row per run.
+    """
+    import dataclasses
+
+    import pandas as pd
+
+    from fate_lab.offloading.links import LINK_PROFILES
+    from fate_lab.offloading.runtime import calibrate_layer_time
+
+    unknown = set(thresholds) - set(LOSSY_PRESET)
+    if unknown:
+        raise ValueError(f"unknown lossy rule(s) {sorted(unknown)}; choose from {list(LOSSY_PRESET)}")
+    over: dict = {"link": link}
+    if slots is not None:
+        over.update(slots=slots, budget=None)
+    if link not in LINK_PROFILES and link != "instant":
+        over["layer_compute_s"] = calibrate_layer_time(model, steps=24)  # one link for every row
+    windows, prompts = heldout_inputs(tokenizer, n_tokens=n_tokens, seq_len=min(256, n_tokens), n_prompts=n_prompts)
+    ref = reference_outputs(model, windows, prompts, decode_tokens, progress=progress)
+    jobs = [(b, None, OffloadConfig.preset(b, **over)) for b in baselines]
+    jobs += [(kind, t, OffloadConfig.preset(LOSSY_PRESET[kind], lossy_threshold=t, **over))
+             for kind, ts in thresholds.items() for t in ts]
+    rows = []
+    for name, t, cfg in tqdm(jobs, desc="lossy sweep", unit="run", disable=not progress):
+        q = lossy_quality(model, cfg, ref, progress=False, stepwise=True)
+        rows.append({"policy": name, "threshold": t, "perplexity change": q["perplexity_change"],
+                     "greedy agreement": q["greedy_agreement"], "mean KL": q["mean_kl"],
+                     "decode tok/s": q["decode_tok_s"], "hit rate decode": q["hit_rate_decode"],
+                     "dropped share": q["dropped_share"], "substituted share": q["substituted_share"]})
+    df = pd.DataFrame(rows)
+    if "fate" in baselines:
+        df["speed vs fate"] = df["decode tok/s"] / df.loc[df["policy"] == "fate", "decode tok/s"].iloc[0]
+    return df
