@@ -90,3 +90,35 @@ def markdown(df: pd.DataFrame, digits: int = 3) -> str:
     rows = [[str(i)] + [cell(v) for v in r] for i, r in zip(df.index, df.itertuples(index=False))]
     return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
 
+
+
+REPLACEMENTS = ("lru", "lfu", "arc", "lrfu", "router_ema")
+
+
+def replacement_table(trace, shape, hardware, shares=(0.25, 0.5), policies=REPLACEMENTS) -> pd.DataFrame:
+    """Decode hit rate of each replacement policy, with Belady's offline bound: in the replay (the cache
+    alone, uniform slots, no prefetch) and in the simulator running fate's pipeline with only the
+    replacement changed (predicted decode tok/s beside). One row per (view, share)."""
+    from fate_lab.offloading.config import OffloadConfig
+    from fate_lab.sim.replay import replay
+    from fate_lab.sim.simulate import simulate
+
+    total = shape.num_moe_layers * shape.num_experts
+    rows = []
+    for share in shares:
+        per_layer = int(total * share) // shape.num_moe_layers
+        hit = {p: replay(trace, slots_per_layer=per_layer, policy=p).overall["hit_rate_decode"]
+               for p in (*policies, "belady")}
+        rows.append({"view": "replay (cache only)", "cached": share, **hit})
+        sims = {p: simulate(trace, OffloadConfig.preset("fate", slots=int(total * share), replacement=p), hardware,
+                            shape) for p in policies}
+        rows.append({"view": "simulator (fate pipeline)", "cached": share,
+                     **{p: r.stats.summary()["decode"]["hit_rate"] for p, r in sims.items()},
+                     **{f"{p} tok/s": r.decode_tok_s for p, r in sims.items()}})
+    df = pd.DataFrame(rows)
+    best = df[list(policies)].idxmax(axis=1)
+    df["best"] = best
+    df["best - arc (pts)"] = [100 * (r[b] - r["arc"]) for (_, r), b in zip(df.iterrows(), best)]
+    df["belady - best (pts)"] = [100 * (r["belady"] - r[b]) if pd.notna(r.get("belady")) else float("nan")
+                                 for (_, r), b in zip(df.iterrows(), best)]
+    return df.set_index(["view", "cached"])

@@ -161,3 +161,44 @@ def quality_speed(df: pd.DataFrame, x: str = "decode tok/s", y: str = "perplexit
     ax.margins(x=0.25, y=0.3)
     fig.tight_layout()
     return ax
+
+
+def pareto(df: pd.DataFrame, x: str = "decode tok/s", y: str = "perplexity change"):
+    """Quality against speed: one line per lossy rule as its threshold moves, the baselines as points
+    (a `quality.sweep_lossy` table: columns policy, threshold, x, y)."""
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    colors = iter(sns.color_palette("deep"))
+    for policy, g in df.groupby("policy", sort=False):
+        c = next(colors)
+        if g["threshold"].notna().any():
+            g = g.sort_values("threshold")
+            ax.plot(g[x], 100 * g[y], marker="o", color=c, label=f"{policy} (threshold {g['threshold'].min():g}"
+                    f"-{g['threshold'].max():g})")
+            for _, r in g.iterrows():
+                ax.annotate(f"{r['threshold']:g}", (r[x], 100 * r[y]), textcoords="offset points", xytext=(4, 4),
+                            fontsize=7, color=c)
+        else:
+            ax.scatter(g[x], 100 * g[y], s=90, marker="D", color=c, edgecolor="black", label=pretty(str(policy)),
+                       zorder=3)
+    ax.axhline(0.0, color="grey", lw=1, ls="--")
+    ax.set_xlabel(pretty(x))
+    ax.set_ylabel("perplexity change vs the plain model (%)")
+    ax.set_title("Quality for speed: lower right is better")
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return ax
+
+
+def measured_vs_simulated(df: pd.DataFrame, measured: str = "decode tok/s", simulated: str = "simulated tok/s"):
+    """One bar pair per config: decode tok/s measured in the runtime and predicted by the simulator."""
+    long = df[[measured, simulated]].rename(columns={measured: "runtime (measured)",
+                                                     simulated: "simulator (predicted)"})
+    long = long.rename_axis("config").reset_index().melt(id_vars="config", var_name="source", value_name="tok/s")
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    sns.barplot(long, x="config", y="tok/s", hue="source", ax=ax)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_xlabel("")
+    ax.set_title("Every idea side by side: measured and predicted")
+    ax.tick_params(axis="x", rotation=25)
+    fig.tight_layout()
+    return ax

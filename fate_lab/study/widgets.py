@@ -417,3 +417,109 @@ def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_
     share.observe(_draw, names="value")
     _draw()
     return W.VBox([W.HBox([boundary, share]), status, out])
+
+
+def host_table(trace: Trace, shape, hardware, slots: int, profile: str = "desktop_ddr4", speed: float = 1.0,
+               presets=("fate", "host_compute", "static_host", "all_host")) -> pd.DataFrame:
+    """The simulator's decode tok/s of each preset with the host CPU `profile` made `speed` times faster."""
+    import dataclasses
+
+    from fate_lab.offloading.config import OffloadConfig
+    from fate_lab.sim.whatif import sim_row
+
+    if speed <= 0:
+        raise ValueError(f"host speed must be > 0, got {speed}")
+    ref = hardware.host_ref or (shape.nbytes(None), shape.expert_flops(), 1.0)
+    hw = dataclasses.replace(hardware, host_ref=(ref[0], ref[1], ref[2] / speed))
+    rows = [sim_row(trace, OffloadConfig.preset(p, slots=slots, host_profile=profile), hw, shape) for p in presets]
+    df = pd.DataFrame(rows).set_index("config")
+    df["speed vs fate"] = df["predicted decode tok/s"] / df.loc["fate", "predicted decode tok/s"] if "fate" in df.index \
+        else float("nan")
+    return df[["predicted decode tok/s", "speed vs fate", "hit rate decode", "experts moved per token",
+               "stall (ms/token)"]]
+
+
+def host_explorer(trace: Trace, shape, hardware, slots: int):
+    """Dropdown (host CPU profile) and slider (its speed, x) -> the simulator's table of `host_table`.
+
+    The returned box's ``rendered`` dict holds the last table drawn, so a test can read it without a browser.
+    """
+    import ipywidgets as W
+    from IPython.display import display
+
+    from fate_lab.offloading.host import HOST_PROFILES
+
+    profile = W.Dropdown(options=sorted(HOST_PROFILES), value="desktop_ddr4", description="host CPU")
+    speed = W.FloatLogSlider(value=1.0, base=2, min=-3, max=3, step=0.5, description="host speed x",
+                             continuous_update=False)
+    out = W.Output()
+    box = W.VBox([W.HBox([profile, speed]), out])
+    box.rendered = {}
+
+    def _draw(*_):
+        with out:
+            out.clear_output(wait=True)
+            df = host_table(trace, shape, hardware, slots, profile.value, speed.value)
+            box.rendered = {"profile": profile.value, "speed": speed.value, "table": df}
+            print(f"{HOST_PROFILES[profile.value].describe()} x {speed.value:g}; {slots} cache slots; "
+                  f"simulated on {hardware.compute.name}")
+            display(df.round(3))
+
+    profile.observe(_draw, names="value")
+    speed.observe(_draw, names="value")
+    _draw()
+    return box
+
+
+def threshold_table(trace: Trace, shape, hardware, slots: int, kind: str, threshold: float,
+                    measured: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The simulator's decode tok/s of a lossy rule at `threshold` next to fate's, with the quality measured
+    at the nearest threshold of `measured` (a `quality.sweep_lossy` table) when given."""
+    from fate_lab.offloading.config import OffloadConfig
+    from fate_lab.sim.whatif import sim_row
+    from fate_lab.study.quality import LOSSY_PRESET
+
+    if kind not in LOSSY_PRESET:
+        raise ValueError(f"unknown lossy rule {kind!r}; choose one of {list(LOSSY_PRESET)}")
+    fate = sim_row(trace, OffloadConfig.preset("fate", slots=slots), hardware, shape, "fate")
+    row = sim_row(trace, OffloadConfig.preset(LOSSY_PRESET[kind], slots=slots, lossy_threshold=threshold), hardware,
+                  shape, f"{kind} @ {threshold:g}")
+    df = pd.DataFrame([fate, row]).set_index("config")[["predicted decode tok/s", "hit rate decode",
+                                                         "experts moved per token"]]
+    df["speed vs fate"] = df["predicted decode tok/s"] / df["predicted decode tok/s"].iloc[0]
+    if measured is not None and (measured["policy"] == kind).any():
+        m = measured[measured["policy"] == kind]
+        near = m.loc[(m["threshold"] - threshold).abs().idxmin()]
+        df.loc[df.index[1], "measured ppl change (at)"] = f"{near['perplexity change']:+.2%} ({near['threshold']:g})"
+        df.loc[df.index[1], "measured agreement"] = near["greedy agreement"]
+    return df
+
+
+def threshold_explorer(trace: Trace, shape, hardware, slots: int, measured: pd.DataFrame | None = None):
+    """Dropdown (lossy rule) and slider (threshold) -> `threshold_table`, rerunning the simulator.
+
+    The simulator replays the plain model's routing, so it predicts the speed; quality comes only from
+    measurement (`measured`, the nearest threshold run). ``rendered`` holds the last table.
+    """
+    import ipywidgets as W
+    from IPython.display import display
+
+    from fate_lab.study.quality import LOSSY_PRESET
+
+    kind = W.Dropdown(options=list(LOSSY_PRESET), value="drop", description="rule")
+    thr = W.FloatSlider(value=0.1, min=0.0, max=1.0, step=0.05, description="threshold", continuous_update=False)
+    out = W.Output()
+    box = W.VBox([W.HBox([kind, thr]), out])
+    box.rendered = {}
+
+    def _draw(*_):
+        with out:
+            out.clear_output(wait=True)
+            df = threshold_table(trace, shape, hardware, slots, kind.value, thr.value, measured)
+            box.rendered = {"kind": kind.value, "threshold": thr.value, "table": df}
+            display(df.round(3))
+
+    kind.observe(_draw, names="value")
+    thr.observe(_draw, names="value")
+    _draw()
+    return box
