@@ -152,3 +152,52 @@ def test_make_rule_refuses_a_fractional_count(hand_trace):
     assert widgets.make_rule(hand_trace, "count budget", 3.0) == widgets.make_rule(hand_trace, "count budget", 3)
     with pytest.raises(ValueError, match="whole number"):
         widgets.make_rule(hand_trace, "count budget", 2.5)
+
+
+def _recorded(seed: int = 6):
+    from conftest import prompt_ids
+
+    from fate_lab.model.adapters import adapt
+    from fate_lab.model.testing import tiny_model
+    from fate_lab.model.trace import record_trace
+    from fate_lab.sim.simulate import Hardware, ModelShape
+
+    model = tiny_model("olmoe", seed=seed)
+    prompts = [prompt_ids(model.config.vocab_size, n=10, seed=s)[0].tolist() for s in range(2)]
+    trace = record_trace(model, None, prompts, decode_tokens=8, progress=False)
+    shape = ModelShape.from_adapter(adapt(model))
+    return trace, shape, Hardware.setup("qwen15_moe_rtx3090_pcie3", shape.nbytes(None))
+
+
+def test_host_table_and_explorer():
+    trace, shape, hw = _recorded()
+    slots = shape.num_moe_layers * shape.num_experts // 4
+    df = widgets.host_table(trace, shape, hw, slots)
+    assert df.loc["fate", "speed vs fate"] == 1.0
+    assert df.loc["all_host", "experts moved per token"] == 0.0  # nothing lives on the device
+    slow = widgets.host_table(trace, shape, hw, slots, speed=1 / 64)  # a host 64x slower: loading wins again
+    assert slow.loc["all_host", "predicted decode tok/s"] < df.loc["all_host", "predicted decode tok/s"]
+    assert slow.loc["fate", "predicted decode tok/s"] == pytest.approx(df.loc["fate", "predicted decode tok/s"])
+    with pytest.raises(ValueError, match="host speed"):
+        widgets.host_table(trace, shape, hw, slots, speed=0)
+    box = widgets.host_explorer(trace, shape, hw, slots)
+    assert box.rendered["profile"] == "desktop_ddr4" and "speed vs fate" in box.rendered["table"]
+
+
+def test_threshold_table_and_explorer():
+    import pandas as pd
+
+    trace, shape, hw = _recorded()
+    slots = shape.num_moe_layers * shape.num_experts // 4
+    none = widgets.threshold_table(trace, shape, hw, slots, "drop", 0.0)  # nothing is below a share of 0
+    assert none["predicted decode tok/s"].iloc[1] == pytest.approx(none["predicted decode tok/s"].iloc[0])
+    every = widgets.threshold_table(trace, shape, hw, slots, "drop", 1.0)  # every decode miss dropped
+    assert every["experts moved per token"].iloc[1] < every["experts moved per token"].iloc[0]
+    measured = pd.DataFrame({"policy": ["drop", "drop"], "threshold": [0.1, 0.5], "perplexity change": [0.01, 0.2],
+                             "greedy agreement": [0.95, 0.7]})
+    t = widgets.threshold_table(trace, shape, hw, slots, "drop", 0.4, measured)
+    assert t["measured agreement"].iloc[1] == 0.7  # the nearest measured threshold is 0.5
+    with pytest.raises(ValueError, match="lossy rule"):
+        widgets.threshold_table(trace, shape, hw, slots, "skip", 0.1)
+    box = widgets.threshold_explorer(trace, shape, hw, slots, measured)
+    assert box.rendered["kind"] == "drop"
