@@ -107,3 +107,42 @@ def test_dropping_every_miss_renormalises_over_the_kept_experts():
     h = experts._apply_gate(torch.nn.functional.linear(x, gate_up[0]))
     expected = torch.nn.functional.linear(h, down[0]) * w[0, 0] * (w.sum() / w[0, 0])
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_standin_rule_by_hand():
+    from fate_lab.policy.lossy import LOWP
+
+    p = MissPolicy("standin", 0.0, window=2)
+    share = {}
+    assert p.plan(0, [3, 4], share, set(), None) == {3: LOWP, 4: LOWP}  # call 1: first misses stand in
+    assert p.plan(0, [3], share, set(), None) == {}  # call 2: 3 recurs within 2 calls: load it
+    assert p.plan(1, [3], share, set(), None) == {3: LOWP}  # another layer keeps its own memory
+    assert p.plan(0, [5], share, set(), None) == {5: LOWP}  # call 3
+    assert p.plan(0, [], share, set(), None) == {}  # call 4
+    assert p.plan(0, [4], share, set(), None) == {4: LOWP}  # call 5: 4's low-precision use was at call 1: too long ago
+    with pytest.raises(ValueError, match="window"):
+        MissPolicy("standin", 0.0, window=-1)
+
+
+def test_standin_runtime_computes_misses_from_resident_int2_copies():
+    """All misses stand in (window 0: nothing ever counts as recurring) and no predictor: decode moves no byte,
+    every miss computes from the INT2 copy, and the output stays close to the plain model's."""
+    from fate_lab.offloading.slots import standin_pool_bytes
+
+    with pytest.raises(ValueError, match="group size 32"):  # mixtral's tiny expert width 40 takes no INT2 g32
+        offload(tiny_model("mixtral"), OffloadConfig.preset("standin", link="instant", slots=2))
+    model = tiny_model("deepseek_v2", seed=7)
+    ids = prompt_ids(model.config.vocab_size, n=10)
+    ref, ref_scores = greedy(model, ids, 8)
+    cfg = OffloadConfig.preset("standin", link="instant", slots=2, standin_window=0, predictor=None)
+    with offload(model, cfg) as rt:
+        out, scores = greedy(model, ids, 8)
+        d = rt.stats.summary()["decode"]
+        a = rt.adapter
+        pool = standin_pool_bytes(a.num_moe_layers, a.num_experts, (2 * a.expert_intermediate_size, a.hidden_size),
+                                  (a.hidden_size, a.expert_intermediate_size))
+        assert rt.describe()["standin_bytes"] == pool > 0
+        assert rt.plan.budget_bytes >= pool  # the planner counts the pool
+    assert d["bytes_moved"] == 0 and d["substituted"] == d["misses"] > 0
+    assert not torch.equal(scores, ref_scores)  # INT2 weights really computed
+    torch.testing.assert_close(scores.softmax(-1), ref_scores.softmax(-1), atol=0.05, rtol=0)

@@ -61,6 +61,8 @@ class OffloadConfig:
     lossy_threshold: float = 0.1  # drop/substitute: a miss below this share of the token's top-k gate weight;
     # commit: the router is uncertain when its top-k hold less than this probability mass
     min_similarity: float | None = None  # substitute: no stand-in below this similarity (the miss is dropped)
+    standin_window: int = 4  # standin: a miss recurring within this many decode calls of its layer after a
+    # low-precision use is loaded at full precision; otherwise it computes from the resident INT2 copy
     similarity: str | None = None  # substitute: the model folder keeping expert_similarity.safetensors
     # (python -m fate_lab.policy.similarity --model DIR); None: the embedded model's
     host_profile: str = "desktop_ddr4"  # host.HOST_PROFILES key: the CPU whose time a host call takes
@@ -163,6 +165,9 @@ _QUANT_PRESETS: dict[str, OffloadConfig] = {
     "drop_low": dataclasses.replace(_PRESETS["fate"], name="drop_low", lossy="drop", lossy_threshold=0.1),
     "substitute": dataclasses.replace(_PRESETS["fate"], name="substitute", lossy="substitute", lossy_threshold=0.1),
     "commit": dataclasses.replace(_PRESETS["fate"], name="commit", lossy="commit", lossy_threshold=0.5),
+    # HOBBIT: an INT2 copy of every expert resident (its bytes come off the cache budget); misses compute
+    # from it, experts that recur within 4 decode calls load at full precision
+    "standin": dataclasses.replace(_PRESETS["fate"], name="standin", lossy="standin", standin_window=4),
 }
 
 

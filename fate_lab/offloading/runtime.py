@@ -36,9 +36,17 @@ from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, EngineLink
 from fate_lab.offloading.hookup import StepwiseForward  # public here too, as the first version had it
 from fate_lab.offloading.host import HostTime
 from fate_lab.offloading.links import LINK_PROFILES, LinkProfile, resolve_link
-from fate_lab.offloading.slots import SCRATCH_SLOTS, DeviceSlots, FullSlots, PackedSlots, slot_sizing
+from fate_lab.offloading.slots import (
+    SCRATCH_SLOTS,
+    STANDIN_SPEC,
+    DeviceSlots,
+    FullSlots,
+    PackedSlots,
+    slot_sizing,
+    standin_pool_bytes,
+)
 from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
-from fate_lab.offloading.store import HostStore, QuantizedStore, RamStore, SafetensorsStore
+from fate_lab.offloading.store import HostStore, PackedExpert, QuantizedStore, RamStore, SafetensorsStore
 from fate_lab.offloading.transfer import (
     CudaCopyEngine,
     EmulatedLink,
@@ -49,13 +57,13 @@ from fate_lab.offloading.transfer import (
 )
 from fate_lab.policy.allocation import lru_miss_curves
 from fate_lab.policy.cache import HOST, ExpertCache
-from fate_lab.policy.lossy import MissPolicy
+from fate_lab.policy.lossy import LOWP, MissPolicy
 from fate_lab.policy.placement import HostPlacement, host_layer_set
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
 from fate_lab.policy.replacement import policy_from_name
 from fate_lab.policy.step import run_layer
-from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
+from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes, quantize_expert
 
 __all__ = ["OffloadConfig", "Runtime", "offload", "calibrate_layer_time", "StepwiseForward"]
 
@@ -86,6 +94,14 @@ class Runtime:
         # a slot holds the largest precision that travels, packed; a packed expert computes from a scratch
         self._slot_specs, self.slot_expert_bytes, scratch_bytes = slot_sizing(
             self.quant, M, *self._expert_shapes(), self.dtype, self.expert_bytes)
+        self.standin_bytes = 0
+        if config.lossy == "standin":
+            gu, dn = self._expert_shapes()
+            if gu[1] % STANDIN_SPEC.group_size or dn[1] % STANDIN_SPEC.group_size:
+                raise ValueError(f"lossy='standin' keeps INT2 copies with group size {STANDIN_SPEC.group_size}, which "
+                                 f"must divide the hidden size {gu[1]} and the expert width {dn[1]}")
+            self.standin_bytes = standin_pool_bytes(M, self.num_experts, gu, dn)
+        scratch_bytes += self.standin_bytes  # the planner takes the resident INT2 copies off the cache budget
 
         # 1. the memory plan and per-layer slots (pure policies, shared with the simulator)
         self.prefetching = config.predictor is not None
@@ -152,6 +168,13 @@ class Runtime:
             placement = HostPlacement(config.host, host_layer_set(config.host, config.host_layers, M), self.host_time,
                                       0.0 if self.link is None else self.link.transfer_time(self.expert_bytes))
         self.miss_policy = build_miss_policy(config, M, self.num_experts)
+        self.standin: list[list[PackedExpert]] | None = None
+        if config.lossy == "standin":  # HOBBIT: every expert's INT2 copy moves to the device once, up front
+            def packed(m: int, e: int) -> PackedExpert:
+                w = self.store.fetch(m, e)
+                return PackedExpert(**quantize_expert({"gate_up": w.gate_up, "down": w.down}, STANDIN_SPEC))
+
+            self.standin = [[packed(m, e).to(self.device) for e in range(self.num_experts)] for m in range(M)]
         self.cache = ExpertCache(
             self.slots_per_layer, lambda m, c: policy_from_name(config.replacement, c), self.top_k,
             self.prefetch_buffers, EngineLink(self, self.engine), self.stats.layers, cache=config.cache,
@@ -279,6 +302,8 @@ class Runtime:
         def compute(e: int, slot: int) -> None:
             if slot == HOST:
                 return host_compute(e)
+            if slot == LOWP:
+                return lowp_compute(e)
             t0 = time.perf_counter()
             gate_up, down = self.slots.weights(slot)  # (2I, H), (H, I); packed: dequantized into the scratch
             if T == 1:  # decode: expert e sits at one position k of the single token
@@ -290,6 +315,16 @@ class Runtime:
                 h = experts_mod._apply_gate(F.linear(hidden_states[pos // K], gate_up))  # (n, I)
                 weighted[pos] = F.linear(h, down) * flat_w[pos].unsqueeze(-1)  # (n, H)
             self.event("compute", m, e, t0, time.perf_counter())
+
+        def lowp_compute(e: int) -> None:
+            """Expert e computes from its resident INT2 copy, dequantized right before use (HOBBIT's stand-in)."""
+            t0 = time.perf_counter()
+            q = self.standin[m][e]
+            gate_up, down = q.gate_up.dequantize(self.dtype), q.down.dequantize(self.dtype)  # (2I, H), (H, I)
+            k = flat.index(e)  # decode only: one token, e at one position
+            h = experts_mod._apply_gate(F.linear(hidden_states, gate_up))  # (1, I)
+            weighted[k:k + 1] = F.linear(h, down) * flat_w[k:k + 1, None]  # (1, H)
+            self.event("compute_lowp", m, e, t0, time.perf_counter())
 
         def host_compute(e: int) -> None:
             """Expert e computes on the host from the store's weights; the activations go there and back.
@@ -390,7 +425,7 @@ class Runtime:
 
     def device_bytes(self) -> int:
         """Bytes of the runtime's slots plus the model's parameters left on the device."""
-        slots = sum(t.numel() * t.element_size() for t in self.device_tensors())
+        slots = sum(t.numel() * t.element_size() for t in self.device_tensors()) + self.standin_bytes
         return slots + sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @property
@@ -405,7 +440,8 @@ class Runtime:
                 "cache_total": self.plan.cache_total, "slots_per_layer": list(self.slots_per_layer),
                 "staging_slots": self.n_staging, "layer_compute_s": self.layer_compute_s,
                 "quant": self.config.quant, "slot_expert_bytes": self.slot_expert_bytes,
-                "device_slot_bytes": sum(t.numel() * t.element_size() for t in self.device_tensors())}
+                "device_slot_bytes": sum(t.numel() * t.element_size() for t in self.device_tensors()),
+                "standin_bytes": self.standin_bytes}
 
     def close(self, restore: bool = True) -> None:
         """Stop the transfer worker(s), unplug from the model; restore=True puts the fused experts back."""
@@ -461,7 +497,7 @@ def build_miss_policy(config: OffloadConfig, num_layers: int, num_experts: int) 
             raise ValueError(f"the expert similarity table is for {table.num_layers} MoE layers x {table.num_experts} "
                              f"experts, the model has {num_layers} x {num_experts}: compute one for this model "
                              f"(python -m fate_lab.policy.similarity --model DIR) and set similarity=DIR")
-    return MissPolicy(config.lossy, config.lossy_threshold, table, config.min_similarity)
+    return MissPolicy(config.lossy, config.lossy_threshold, table, config.min_similarity, config.standin_window)
 
 
 def offload(model: nn.Module, config: OffloadConfig | None = None) -> Runtime:

@@ -233,6 +233,17 @@ class PackedSlots(DeviceSlots):
 SCRATCH_SLOTS = 1  # full-precision experts a packed-slot (quantized) runtime dequantizes into
 
 
+STANDIN_SPEC = QuantSpec(2, 32)  # lossy="standin": the resident copy of every expert (HOBBIT's low precision)
+
+
+def standin_pool_bytes(num_moe_layers: int, num_experts: int, gate_up_shape: tuple[int, int],
+                       down_shape: tuple[int, int]) -> int:
+    """Device bytes of a resident INT2 copy of every routed expert (lossy="standin"), packed + scales + zeros."""
+    from fate_lab.quant import expert_nbytes
+
+    return num_moe_layers * num_experts * expert_nbytes({"gate_up": gate_up_shape, "down": down_shape}, STANDIN_SPEC)
+
+
 def slot_sizing(quant, num_moe_layers: int, gate_up_shape: tuple[int, int], down_shape: tuple[int, int],
                 dtype: torch.dtype, fp_bytes: int) -> tuple[tuple, int, int]:
     """(precisions a slot may hold, bytes of one device slot, bytes of the dequantize scratch) for a

@@ -27,7 +27,7 @@ class PhaseStats:
     misses: int = 0  # neither: loaded on demand, computed on the host, dropped or substituted
     host: int = 0  # ... of the misses, computed on the host (no transfer)
     dropped: int = 0  # ... of the misses, not computed (lossy decode step; output renormalised)
-    substituted: int = 0  # ... of the misses, a resident expert computed in their place
+    substituted: int = 0  # ... of the misses, a resident expert (or its resident INT2 copy) computed in their place
     prefetch_issued: int = 0  # transfers queued by the predictor for this layer
     prefetch_useful: int = 0  # ... whose expert this layer then used
     prefetch_wasted: int = 0  # ... not used (cancelled while queued, or moved for nothing)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from fate_lab.offloading.stats import PHASES, PhaseStats
+from fate_lab.policy.lossy import LOWP
 from fate_lab.policy.placement import HostPlacement
 from fate_lab.policy.replacement import ReplacementPolicy
 
@@ -105,6 +106,7 @@ class LayerState:
     deferred: list[int] = field(default_factory=list)  # misses still waiting for a slot
     host: set[int] = field(default_factory=set)  # needed by the current call, computed on the host
     subst: dict[int, int] = field(default_factory=dict)  # missed expert -> resident stand-in (this call)
+    lowp: set[int] = field(default_factory=set)  # misses computed from their resident low-precision copy
 
     @property
     def free(self) -> list[int]:
@@ -191,17 +193,21 @@ class ExpertCache:
         st.host += len(host)
         layer.host = set(host)
         subst: dict[int, int] = {}
+        lowp: list[int] = []
         if miss_plan is not None and missing:
             for e, f in miss_plan(list(missing), layer.resident()).items():
                 missing.remove(e)
                 if f is None:
                     st.dropped += 1
+                elif f == LOWP:
+                    lowp.append(e)
+                    st.substituted += 1
                 else:
                     subst[e] = f
                     st.substituted += 1
-        layer.subst = subst
+        layer.subst, layer.lowp = subst, set(lowp)
         # stand-ins first (their slots are certain now), then resident: their compute hides the transfers
-        order = list(subst) + ready + host + waiting + missing
+        order = list(subst) + ready + lowp + host + waiting + missing
         layer.pending = set(order) | set(subst.values())
         for e in waiting:  # a needed prefetch still queued becomes urgent: it goes before the misses
             inf = layer.inflight[e]
@@ -244,6 +250,8 @@ class ExpertCache:
         layer = self.layers[m]
         if e in layer.host:
             return HOST
+        if e in layer.lowp:
+            return LOWP
         if e in layer.subst:
             f = layer.subst[e]
             return layer.staged.get(f, layer.where.get(f))
@@ -279,7 +287,7 @@ class ExpertCache:
         layer = self.layers[m]
         layer.pending.clear()
         layer.host.clear()
-        layer.subst = {}
+        layer.subst, layer.lowp = {}, set()
         if not self.cache_enabled:
             layer.valid.clear()
 

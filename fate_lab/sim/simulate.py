@@ -30,9 +30,10 @@ from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, link_capacity, spec_label
 from fate_lab.offloading.host import HostTime, host_profile
 from fate_lab.offloading.links import LINK_PROFILES, LinkProfile
-from fate_lab.offloading.slots import slot_sizing
+from fate_lab.offloading.slots import slot_sizing, standin_pool_bytes
 from fate_lab.offloading.stats import PHASES, PhaseStats, RuntimeStats
 from fate_lab.policy.cache import HOST, ExpertCache
+from fate_lab.policy.lossy import LOWP
 from fate_lab.policy.placement import HostPlacement, host_layer_set
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
@@ -307,6 +308,8 @@ class _Sim:
         self.quant = QuantPolicy.preset(config.quant) if config.quant is not None else None
         es = shape.expert_shapes()
         _, slot_bytes, scratch = slot_sizing(self.quant, M, es["gate_up"], es["down"], shape.dtype, shape.nbytes(None))
+        if config.lossy == "standin":  # the resident INT2 copies come off the cache budget, as in the runtime
+            scratch += standin_pool_bytes(M, shape.num_experts, es["gate_up"], es["down"])
         self.plan, self.slots_per_layer, buffers = plan_offload(
             config, num_layers=M, num_experts=shape.num_experts, top_k=shape.top_k, slot_expert_bytes=slot_bytes,
             dense_bytes=shape.dense_bytes, kv_bytes_per_token=shape.kv_bytes_per_token, scratch_bytes=scratch,
@@ -379,6 +382,10 @@ class _Sim:
 
             def compute(e: int, slot: int, n=counts, m=m) -> None:
                 c0 = self.now
+                if slot == LOWP:  # from the resident INT2 copy (the dequantize is not modelled: OUR simplification)
+                    self.now += comp.expert(n[e])
+                    self.event("compute_lowp", m, e, c0, self.now)
+                    return
                 if slot == HOST:  # on the host CPU: its profile's time (+ the emulated hold's sleep overshoot)
                     self.now += self.host_time(n[e]) + comp.link_extra_s
                     self.stats.layers[m][self.phase].host_s += self.now - c0

@@ -211,7 +211,21 @@ def lossy_quality(model: nn.Module, config: OffloadConfig, reference: Reference,
             "substituted_share": summary["decode"]["substituted"] / max(1, summary["decode"]["uses"])}
 
 
-LOSSY_PRESET = {"drop": "drop_low", "substitute": "substitute", "commit": "commit"}
+LOSSY_PRESET = {"drop": "drop_low", "substitute": "substitute", "commit": "commit", "standin": "standin"}
+_KNOB = {"standin": "standin_window"}  # the parameter a rule's "threshold" sets (default: lossy_threshold)
+
+
+def _equal_memory(model: nn.Module, kind: str, over: dict) -> dict:
+    """standin keeps an INT2 copy of every expert resident: at a slot budget, it gets that many fewer slots."""
+    if kind != "standin" or over.get("slots") is None:
+        return over
+    from fate_lab.model.adapters import adapt
+    from fate_lab.offloading.slots import standin_pool_bytes
+
+    a = adapt(model)
+    pool = standin_pool_bytes(a.num_moe_layers, a.num_experts, (2 * a.expert_intermediate_size, a.hidden_size),
+                              (a.hidden_size, a.expert_intermediate_size))
+    return dict(over, slots=max(0, over["slots"] - -(-pool // a.bytes_per_expert())))
 
 
 def sweep_lossy(model: nn.Module, tokenizer, thresholds: dict[str, list[float]], link: str = "qwen15_moe_rtx3090_pcie3",
@@ -241,7 +255,8 @@ def sweep_lossy(model: nn.Module, tokenizer, thresholds: dict[str, list[float]],
     windows, prompts = heldout_inputs(tokenizer, n_tokens=n_tokens, seq_len=min(256, n_tokens), n_prompts=n_prompts)
     ref = reference_outputs(model, windows, prompts, decode_tokens, progress=progress)
     jobs = [(b, None, OffloadConfig.preset(b, **over)) for b in baselines]
-    jobs += [(kind, t, OffloadConfig.preset(LOSSY_PRESET[kind], lossy_threshold=t, **over))
+    jobs += [(kind, t, OffloadConfig.preset(LOSSY_PRESET[kind], **{_KNOB.get(kind, "lossy_threshold"): t},
+                                            **_equal_memory(model, kind, over)))
              for kind, ts in thresholds.items() for t in ts]
     rows = []
     for name, t, cfg in tqdm(jobs, desc="lossy sweep", unit="run", disable=not progress):

@@ -482,7 +482,8 @@ def threshold_table(trace: Trace, shape, hardware, slots: int, kind: str, thresh
     if kind not in LOSSY_PRESET:
         raise ValueError(f"unknown lossy rule {kind!r}; choose one of {list(LOSSY_PRESET)}")
     fate = sim_row(trace, OffloadConfig.preset("fate", slots=slots), hardware, shape, "fate")
-    row = sim_row(trace, OffloadConfig.preset(LOSSY_PRESET[kind], slots=slots, lossy_threshold=threshold), hardware,
+    knob = {"standin_window": int(threshold)} if kind == "standin" else {"lossy_threshold": threshold}  # standin: window
+    row = sim_row(trace, OffloadConfig.preset(LOSSY_PRESET[kind], slots=slots, **knob), hardware,
                   shape, f"{kind} @ {threshold:g}")
     df = pd.DataFrame([fate, row]).set_index("config")[["predicted decode tok/s", "hit rate decode",
                                                          "experts moved per token"]]
@@ -506,7 +507,7 @@ def threshold_explorer(trace: Trace, shape, hardware, slots: int, measured: pd.D
 
     from fate_lab.study.quality import LOSSY_PRESET
 
-    kind = W.Dropdown(options=list(LOSSY_PRESET), value="drop", description="rule")
+    kind = W.Dropdown(options=[k for k in LOSSY_PRESET if k != "standin"], value="drop", description="rule")
     thr = W.FloatSlider(value=0.1, min=0.0, max=1.0, step=0.05, description="threshold", continuous_update=False)
     out = W.Output()
     box = W.VBox([W.HBox([kind, thr]), out])
