@@ -237,7 +237,6 @@ def sweep_lossy(model: nn.Module, tokenizer, thresholds: dict[str, list[float]],
 
     thresholds: {"drop" | "substitute" | "commit": [threshold, ...]}. Returns a DataFrame, one row per run.
     """
-    import dataclasses
 
     import pandas as pd
 
