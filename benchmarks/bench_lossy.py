@@ -14,12 +14,13 @@ import shlex
 import sys
 import time
 
-THRESHOLDS = {"drop": [0.05, 0.1, 0.15, 0.2], "substitute": [0.05, 0.1, 0.2], "commit": [0.3, 0.5, 0.7]}
+THRESHOLDS = {"drop": [0.05, 0.1, 0.2], "substitute": [0.05, 0.1, 0.2], "commit": [0.3, 0.5, 0.7],
+              "standin": [0, 4, 16]}  # standin: the recurrence window in decode calls
 
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=256, help="held-out text tokens decoded per config")
+    ap.add_argument("--tokens", type=int, default=128, help="held-out text tokens decoded per config")
     ap.add_argument("--link", default="qwen15_moe_rtx3090_pcie3")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
