@@ -22,7 +22,9 @@ class OffloadConfig:
     slots: int | None = None  # ... or the expert cache size in slots; neither: every expert fits
     link: str = "pcie3_x16"  # links.LINK_PROFILES key ("instant": transfers land inside submit),
     # or a links.REAL_SETUPS key for the scaled mode
-    predictor: str | None = "cross_layer_gate"  # None | "cross_layer_gate" | "activation_path"
+    predictor: str | None = "cross_layer_gate"  # None | "cross_layer_gate" | "activation_path" | "learned_gate"
+    probes: str | None = None  # predictor="learned_gate": the model folder keeping probes.safetensors
+    # (python -m fate_lab.policy.learned --fit); None: the embedded model's
     rule: SelectionRule | None = Percentile(75.0)  # cross-layer gate rule; None: TopK(model top_k)
     allocation: str = "shallow"  # allocation.ALLOCATIONS key
     miss_curves: tuple | None = None  # allocation="miss_curve": curves[l][c] misses of layer l with c slots;
@@ -143,6 +145,8 @@ _PRESETS: dict[str, OffloadConfig] = {
     "fate": OffloadConfig("fate", prefetch_window=4.0),
     # Fate as the first version ran it: the whole percentile set queued and admitted into the cache
     "fate_v1": OffloadConfig("fate_v1", prefetch_budget="all", admit_prefetch="on_load"),
+    # Fate with the learned cross-layer probes (policy/learned.py) instead of the router product + percentile
+    "fate_learned": OffloadConfig("fate_learned", prefetch_window=4.0, predictor="learned_gate"),
     # Fate + misses computed on the host CPU when that beats their transfer (Fiddler's cost model)
     "host_compute": OffloadConfig("host_compute", prefetch_window=4.0, host="cost"),
     # Fate with the first 2 MoE layers' experts living and computing on the host (llama.cpp --n-cpu-moe 2)

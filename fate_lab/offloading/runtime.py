@@ -31,6 +31,7 @@ from torch import nn
 
 from fate_lab.model.adapters import MoEAdapter, adapt
 from fate_lab.offloading import hookup
+from fate_lab.offloading.builders import build_miss_policy, build_predictor, predictor_scores
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, EngineLink
 from fate_lab.offloading.hookup import StepwiseForward  # public here too, as the first version had it
@@ -57,10 +58,10 @@ from fate_lab.offloading.transfer import (
 )
 from fate_lab.policy.allocation import lru_miss_curves
 from fate_lab.policy.cache import HOST, ExpertCache
-from fate_lab.policy.lossy import LOWP, MissPolicy
+from fate_lab.policy.lossy import LOWP
 from fate_lab.policy.placement import HostPlacement, host_layer_set
 from fate_lab.policy.planner import plan_offload
-from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
+from fate_lab.policy.predictors import Predictor, next_layer_scores
 from fate_lab.policy.replacement import policy_from_name
 from fate_lab.policy.step import run_layer
 from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes, quantize_expert
@@ -232,14 +233,8 @@ class Runtime:
         return QuantizedStore(base, [self.quant.host_specs(m) for m in range(a.num_moe_layers)], pin=pin)
 
     def _build_predictor(self) -> Predictor | None:
-        cfg = self.config
-        if cfg.predictor is None:
-            return None
-        if cfg.predictor == "cross_layer_gate":
-            return CrossLayerGate(cfg.rule if cfg.rule is not None else TopK(self.top_k))
-        if cfg.predictor == "activation_path":
-            return ActivationPath()
-        raise ValueError(f"unknown predictor {cfg.predictor!r}; choose None, 'cross_layer_gate' or 'activation_path'")
+        a = self.adapter
+        return build_predictor(self.config, a.num_moe_layers, a.num_experts, a.hidden_size, self.top_k)
 
     def _build_engine(self) -> TransferEngine:
         if self.link is None:
@@ -265,6 +260,8 @@ class Runtime:
         self.cache.phase = self.phase
         if self.phase == "prefill" and self.predictor is not None:
             self.predictor.reset()
+        if hasattr(self.predictor, "set_phase"):  # a learned gate keeps one threshold per phase
+            self.predictor.set_phase(self.phase)
         self._stall_in_forward = 0.0
         self._fwd_t0 = time.perf_counter()
 
@@ -347,9 +344,8 @@ class Runtime:
             self.event("host", m, e, t0, t1)
 
         def scores() -> torch.Tensor | None:
-            if not isinstance(self.predictor, CrossLayerGate):
-                return None
-            return next_layer_scores(self.router_host[m + 1], hidden_states, self.adapter.router_spec.scoring)
+            return predictor_scores(self.predictor, m, hidden_states, self.router_host[m + 1],
+                                    self.adapter.router_spec.scoring)
 
         def timed_predict(fn):
             t0 = time.perf_counter()
@@ -482,22 +478,6 @@ class Runtime:
                 self.engine.close()
         except Exception:
             pass
-
-
-def build_miss_policy(config: OffloadConfig, num_layers: int, num_experts: int) -> MissPolicy | None:
-    """The lossy decode rule of a config (None: lossless); substitute loads the similarity table and checks it."""
-    if config.lossy is None:
-        return None
-    table = None
-    if config.lossy == "substitute":
-        from fate_lab.policy.similarity import load_similarity
-
-        table = load_similarity(config.similarity)
-        if (table.num_layers, table.num_experts) != (num_layers, num_experts):
-            raise ValueError(f"the expert similarity table is for {table.num_layers} MoE layers x {table.num_experts} "
-                             f"experts, the model has {num_layers} x {num_experts}: compute one for this model "
-                             f"(python -m fate_lab.policy.similarity --model DIR) and set similarity=DIR")
-    return MissPolicy(config.lossy, config.lossy_threshold, table, config.min_similarity, config.standin_window)
 
 
 def offload(model: nn.Module, config: OffloadConfig | None = None) -> Runtime:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from fate_lab.model.trace import PREFILL, Trace
+from fate_lab.offloading.builders import build_miss_policy, build_predictor, predictor_scores
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, link_capacity, spec_label
 from fate_lab.offloading.host import HostTime, host_profile
@@ -36,7 +37,7 @@ from fate_lab.policy.cache import HOST, ExpertCache
 from fate_lab.policy.lossy import LOWP
 from fate_lab.policy.placement import HostPlacement, host_layer_set
 from fate_lab.policy.planner import plan_offload
-from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor, TopK, next_layer_scores
+from fate_lab.policy.predictors import Predictor, next_layer_scores
 from fate_lab.policy.replacement import POLICIES, policy_from_name
 from fate_lab.policy.step import run_layer
 from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
@@ -324,20 +325,12 @@ class _Sim:
             self.host_time = hardware.host_time(config.host_profile, shape)
             placement = HostPlacement(config.host, host_layer_set(config.host, config.host_layers, M), self.host_time,
                                       0.0 if hardware.link is None else hardware.link.transfer_time(shape.nbytes(None)))
-        from fate_lab.offloading.runtime import build_miss_policy
-
         self.miss_policy = build_miss_policy(config, M, shape.num_experts)
         self.cache = ExpertCache(self.slots_per_layer, lambda m, c: policy_from_name(config.replacement, c),
                                  shape.top_k, buffers, self.link, self.stats.layers, cache=config.cache,
                                  admit_on_use=config.admit_prefetch == "on_use",
                                  link_budget=config.prefetch_budget == "link", placement=placement)
-        self.predictor: Predictor | None = None
-        if config.predictor == "cross_layer_gate":
-            self.predictor = CrossLayerGate(config.rule if config.rule is not None else TopK(shape.top_k))
-        elif config.predictor == "activation_path":
-            self.predictor = ActivationPath()
-        elif config.predictor is not None:
-            raise ValueError(f"unknown predictor {config.predictor!r}")
+        self.predictor: Predictor | None = build_predictor(config, M, shape.num_experts, shape.hidden, shape.top_k)
         self.now, self.phase = 0.0, "prefill"
         self.window_s: dict[str, float] = {}
         self._stall_in_forward = 0.0
@@ -369,6 +362,8 @@ class _Sim:
         self.phase = self.cache.phase = phase or ("prefill" if T > 1 else "decode")
         if self.phase == "prefill" and self.predictor is not None:
             self.predictor.reset()
+        if hasattr(self.predictor, "set_phase"):  # a learned gate keeps one threshold per phase
+            self.predictor.set_phase(self.phase)
         t0, self._stall_in_forward = self.now, 0.0
         dense_layers = self.shape.num_layers - M
         self.now += dense_layers * comp.dense(T)  # dense-only decoder layers (e.g. DeepSeek's first)
@@ -396,9 +391,9 @@ class _Sim:
                 self.event("compute", m, e, c0, self.now)
 
             def scores(m=m):
-                if not isinstance(self.predictor, CrossLayerGate):
+                if gate_inputs is None:
                     return None
-                return next_layer_scores(router_weights[m + 1], gate_inputs[:, m], self.shape.scoring)
+                return predictor_scores(self.predictor, m, gate_inputs[:, m], router_weights[m + 1], self.shape.scoring)
 
             def timed_predict(fn, m=m):
                 p0 = self.now
@@ -449,7 +444,7 @@ def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: Mod
     if config.lossy in ("drop", "substitute") and trace.weights is None:
         raise ValueError(f"lossy={config.lossy!r} reads the top-k gate weights: simulate a trace that has them "
                          "(record_trace keeps them)")
-    needs_gate = config.predictor == "cross_layer_gate" or config.lossy == "commit" or \
+    needs_gate = config.predictor in ("cross_layer_gate", "learned_gate") or config.lossy == "commit" or \
         getattr(POLICIES.get(config.replacement.lower()), "wants_scores", False)  # router_ema reads the router
     if needs_gate and (trace.gate_inputs is None or trace.router_weights is None):
         raise ValueError("the cross-layer gate predictor and score-reading replacement policies need a trace with "
