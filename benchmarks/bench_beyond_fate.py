@@ -19,13 +19,13 @@ import torch
 
 from fate_lab.offloading.config import OffloadConfig
 
-PRESETS = ["lru", "fate", "host_compute", "static_host", "all_host"]
+PRESETS = ["lru", "fate", "fate_learned", "host_compute", "static_host", "all_host"]
 
 
-def configs() -> dict[str, OffloadConfig]:
+def configs(skip: tuple[str, ...] = ()) -> dict[str, OffloadConfig]:
     """The rows: presets plus the replacement policies beyond ARC on fate's pipeline."""
-    out = {n: OffloadConfig.preset(n) for n in PRESETS}
-    for pol in ("lrfu",):
+    out = {n: OffloadConfig.preset(n) for n in PRESETS if n not in skip}
+    for pol in ("lrfu", "router_ema"):
         out[f"fate + {pol}"] = OffloadConfig.preset("fate", replacement=pol)
     return out
 
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--link", default="qwen15_moe_rtx3090_pcie3")
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
+    ap.add_argument("--skip", nargs="*", default=[], help="presets to leave out")
     args = ap.parse_args(argv)
     from fate_lab.model.adapters import adapt
     from fate_lab.model.corpus import heldout_prompts
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> str:
              f"tokens; link {args.link} (scaled, calibrated once); host profile desktop_ddr4.", ""]
     tables = {}
     for share in (0.25, 0.5):
-        df = side_by_side(model, tok, heldout_prompts(args.prompts), configs(), link=args.link,
+        df = side_by_side(model, tok, heldout_prompts(args.prompts), configs(tuple(args.skip)), link=args.link,
                           slots=int(total * share), new_tokens=args.new_tokens)
         tables[share] = df
         lines += [f"## {share:.0%} of the experts cached ({int(total * share)} slots)", "",
