@@ -1,0 +1,651 @@
+"""A learned cross-layer expert predictor: per-layer probes from layer l's gate input to layer l+1's experts.
+
+What this file is: Fate predicts layer l+1's experts by applying layer l+1's router to layer l's gate
+input x_l. Here a small probe per layer is *trained* for the same job on gate inputs recorded from
+TRAINING-split text (`training_trace`), with scikit-learn (`fit_probes`), and kept as plain tensors
+(`ProbeSet`, saved beside the model as `probes.safetensors` + `.json`), so that predicting is a
+linear map (+ ReLU + linear for MLP probes) and a sigmoid on the host. The probes give per-expert
+probabilities; the selection rule is a probability threshold (`Threshold`), one per phase (prefill,
+decode) and source layer, tuned on a calibration trace (`tune_thresholds`) so that recall equals the
+75th-percentile rule's recall there. `LearnedGate` is the predictor the runtime and the replay
+share; `compare_with_percentile` is the comparison against `Percentile(75)` on held-out text.
+
+Which probe: measured on the embedded model (benchmarks/results/learned_predictor_2026-11-30.md),
+one-vs-rest L2 logistic regression (`hidden=0`, exact Newton fits, 224 of them) cuts the set to
+~0.62x (decode) / ~0.74x (prefill) of the percentile rule's size at equal recall; a one-hidden-layer
+ReLU MLP with logistic outputs (`MLPClassifier`, `hidden=128`, the default) to ~0.57x / ~0.68x,
+fits faster (one multi-label fit per layer) and, stored in float16, still ships under 1 MB.
+
+What it is not: no device, no thread, no cache. `LearnedGate` and `ProbeSet.scores` are pure
+(tensors in, ids out); `training_trace` and the command line run the model (`python -m
+fate_lab.policy.learned --fit`), and only those. Wiring the predictor into the runtime, the
+simulator and the configs is theirs.
+Letters: L MoE layers (L-1 probes; probe l reads x_l and predicts layer l+1), E experts, H hidden
+size, D probe hidden width, T tokens of one call, N trace rows, k experts per token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from fate_lab.model.trace import DECODE, PREFILL, Trace
+from fate_lab.model.trace import cross_layer_scores as trace_cross_layer_scores
+from fate_lab.paths import TINY_MOE_DIR
+from fate_lab.policy.predictors import CrossLayerGate, Percentile, SelectionRule, evaluate_rule, next_layer_scores
+
+PROBES_FILE = "probes.safetensors"
+FORMAT_VERSION = 1
+PHASE_NAMES = ("prefill", "decode")  # row 0 / row 1 of the thresholds, as PREFILL / DECODE in trace
+MATCH_MODES = ("overall", "layer")
+_META_KEY = "fate_lab_probes"
+HIDDEN = 192  # default probe width: float16 probes for 8 layers x 32 experts x 256 stay under 1 MB
+_SATURATED_LOGIT = 30.0  # bias of a probe whose expert was never (or always) routed to in training
+
+
+# ----------------------------------------------------------------------------- the selection rule
+
+
+@dataclass(frozen=True)
+class Threshold(SelectionRule):
+    """Every expert whose probability is at least ``p``; the single best one when none is."""
+
+    p: float
+
+    def select(self, scores: Tensor) -> Tensor:
+        mask = scores >= self.p  # (T, E) ties at p are all in: still a prefix of `order`
+        empty = ~mask.any(-1)
+        if empty.any():
+            mask[empty, scores[empty].argmax(-1)] = True  # argmax: first maximum, as `order` ranks ties
+        return mask
+
+    def count(self, row: list[float]) -> int:
+        return max(1, sum(1 for x in row if x >= self.p))
+
+
+# ----------------------------------------------------------------------------- the probes
+
+
+@dataclass(frozen=True)
+class ProbeSet:
+    """Per-layer probes as plain tensors: ``sigmoid(weight @ relu(hidden_weight @ x + hidden_bias) + bias)``.
+
+    Linear probes have no hidden layer (``weight [L-1, E, H]``). The feature standardisation of the
+    fit is folded into the first layer, so raw gate inputs go in. Tensors keep their storage dtype
+    (float16 for the shipped file); scoring is in float32.
+    """
+
+    weight: Tensor  # (L-1, E, D) output layer; D = H for linear probes
+    bias: Tensor  # (L-1, E)
+    hidden_weight: Tensor | None = None  # (L-1, D, H) first layer of MLP probes (ReLU after it)
+    hidden_bias: Tensor | None = None  # (L-1, D)
+    thresholds: Tensor | None = None  # (2, L-1) probability thresholds: [prefill, decode] x source layer
+    meta: dict = field(default_factory=dict)  # fit settings, training data, tuning targets
+    _layers: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.weight.dim() != 3:
+            raise ValueError(f"ProbeSet.weight must be [probes, experts, features]; got {tuple(self.weight.shape)}")
+        P, E, D = self.weight.shape
+        if tuple(self.bias.shape) != (P, E):
+            raise ValueError(f"ProbeSet.bias must be [probes, experts] = {(P, E)}; got {tuple(self.bias.shape)}")
+        if (self.hidden_weight is None) != (self.hidden_bias is None):
+            raise ValueError("ProbeSet: give both hidden_weight and hidden_bias (MLP probes) or neither (linear)")
+        if self.hidden_weight is not None:
+            if self.hidden_weight.dim() != 3 or tuple(self.hidden_weight.shape[:2]) != (P, D):
+                raise ValueError(f"ProbeSet.hidden_weight must be [probes, {D}, H]; got "
+                                 f"{tuple(self.hidden_weight.shape)}")
+            if tuple(self.hidden_bias.shape) != (P, D):
+                raise ValueError(f"ProbeSet.hidden_bias must be {(P, D)}; got {tuple(self.hidden_bias.shape)}")
+        if self.thresholds is not None and tuple(self.thresholds.shape) != (2, P):
+            raise ValueError(f"ProbeSet.thresholds must be [2 phases (prefill, decode), {P} probes]; got "
+                             f"{tuple(self.thresholds.shape)}")
+        hidden = [None] * P if self.hidden_weight is None else list(zip(self.hidden_weight.float(),
+                                                                         self.hidden_bias.float()))
+        self._layers.extend(zip(hidden, self.weight.float(), self.bias.float()))  # float32 views, made once
+
+    @property
+    def num_layers(self) -> int:
+        """L, the MoE layers of the model (one probe per layer but the last)."""
+        return self.weight.shape[0] + 1
+
+    @property
+    def num_experts(self) -> int:
+        """E, routed experts per layer."""
+        return self.weight.shape[1]
+
+    @property
+    def hidden_size(self) -> int:
+        """H, the width of a gate input."""
+        return (self.hidden_weight if self.hidden_weight is not None else self.weight).shape[2]
+
+    @property
+    def kind(self) -> str:
+        """'linear' or 'mlp'."""
+        return "linear" if self.hidden_weight is None else "mlp"
+
+    def check(self, num_layers: int, num_experts: int, hidden_size: int) -> None:
+        """ValueError unless these probes were fitted for a model of this shape."""
+        have = (self.num_layers, self.num_experts, self.hidden_size)
+        if have != (num_layers, num_experts, hidden_size):
+            raise ValueError(f"these probes are for a model with (MoE layers, experts, hidden) = {have}, not "
+                             f"{(num_layers, num_experts, hidden_size)}; fit probes for this model with "
+                             f"`python -m fate_lab.policy.learned --fit --model DIR`")
+
+    def scores(self, layer: int, gate_input: Tensor) -> Tensor:
+        """Probabilities ``[T, E]`` of the experts of layer+1, from layer ``layer``'s gate input ``[T, H]``."""
+        if not 0 <= layer < len(self._layers):
+            raise IndexError(f"probe layer {layer} out of range: probes read MoE layers 0..{len(self._layers) - 1} "
+                             f"(the last MoE layer has no next layer to predict)")
+        x = gate_input.detach().to("cpu", torch.float32)
+        if x.dim() == 1:
+            x = x.unsqueeze(0)  # (1, H) one decode token
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"gate_input must be [T, {self.hidden_size}] (or [{self.hidden_size}]); got "
+                             f"{tuple(gate_input.shape)}")
+        hidden, w, b = self._layers[layer]
+        if hidden is not None:
+            x = torch.relu(torch.nn.functional.linear(x, hidden[0], hidden[1]))  # (T, D)
+        return torch.sigmoid(torch.nn.functional.linear(x, w, b))  # (T, E)
+
+    def trace_scores(self, gate_inputs: Tensor) -> Tensor:
+        """Every probe on a trace's gate inputs ``[N, L, H]`` -> ``[N, L-1, E]`` (row l predicts layer l+1)."""
+        if gate_inputs.dim() != 3 or gate_inputs.shape[1] != self.num_layers:
+            raise ValueError(f"gate_inputs must be [N, {self.num_layers}, {self.hidden_size}]; got "
+                             f"{tuple(gate_inputs.shape)}")
+        return torch.stack([self.scores(l, gate_inputs[:, l]) for l in range(self.num_layers - 1)], dim=1)
+
+    def rule(self, layer: int, phase: str) -> Threshold:
+        """The tuned selection rule of probe ``layer`` in ``phase`` ('prefill' or 'decode')."""
+        if self.thresholds is None:
+            raise ValueError("these probes have no tuned thresholds; call tune_thresholds(probes, calib_trace)")
+        if phase not in PHASE_NAMES:
+            raise ValueError(f"phase must be one of {PHASE_NAMES}, not {phase!r}")
+        return Threshold(float(self.thresholds[PHASE_NAMES.index(phase), layer]))
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``path`` (.safetensors: tensors at their dtype + metadata) and a readable ``.json`` beside it."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        if path.suffix != ".safetensors":
+            raise ValueError(f"save a ProbeSet to a .safetensors path, got {path}")
+        meta = dict(self.meta, format_version=FORMAT_VERSION, kind=self.kind, num_moe_layers=self.num_layers,
+                    num_experts=self.num_experts, hidden_size=self.hidden_size,
+                    thresholds=None if self.thresholds is None else self.thresholds.tolist())
+        tensors = {"weight": self.weight, "bias": self.bias}
+        for name in ("hidden_weight", "hidden_bias", "thresholds"):
+            if getattr(self, name) is not None:
+                tensors[name] = getattr(self, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={_META_KEY: json.dumps(meta)})
+        path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ProbeSet":
+        """Read a file written by ``save`` (safetensors + JSON metadata; no pickles)."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get(_META_KEY)
+            if raw is None or "weight" not in f.keys():
+                raise ValueError(f"{path} is a safetensors file but not fate_lab probes (no {_META_KEY!r} metadata "
+                                 f"or no 'weight' tensor)")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = json.loads(raw)
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path} has probe format {meta.get('format_version')!r}; this fate_lab reads "
+                             f"{FORMAT_VERSION}. Refit: python -m fate_lab.policy.learned --fit --model DIR")
+        meta = {k: v for k, v in meta.items() if k not in ("format_version", "kind", "num_moe_layers", "num_experts",
+                                                           "hidden_size", "thresholds")}
+        return cls(weight=tensors["weight"], bias=tensors["bias"], hidden_weight=tensors.get("hidden_weight"),
+                   hidden_bias=tensors.get("hidden_bias"), thresholds=tensors.get("thresholds"), meta=meta)
+
+
+def probes_path(model_dir: str | Path | None = None) -> Path:
+    """Where a model folder keeps its probes (None: the embedded tiny MoE)."""
+    return Path(model_dir or TINY_MOE_DIR) / PROBES_FILE
+
+
+def load_probes(model_dir: str | Path | None = None) -> ProbeSet:
+    """The probes kept with a model folder (None: the embedded tiny MoE)."""
+    path = probes_path(model_dir)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no learned expert predictor for the model in {path.parent} (looked for {path.name}); fit one with "
+            f"`python -m fate_lab.policy.learned --fit --model {path.parent}` (it records a trace on training-split "
+            f"text and fits one probe per MoE layer; minutes for the tiny model)")
+    return ProbeSet.load(path)
+
+
+# ----------------------------------------------------------------------------- the predictor
+
+
+class LearnedGate(CrossLayerGate):
+    """Fate's cross-layer gate with learned probes: ``next_scores`` are ``probes.scores(layer, x_layer)``.
+
+    The driver must feed probe scores (``self.scores``), not the router product: check for a
+    ``LearnedGate`` before a plain ``CrossLayerGate``. The threshold is chosen per source layer and
+    phase; the phase is ``set_phase``'s, else inferred from the rows (one row: decode, more: prefill).
+    """
+
+    def __init__(self, probes: ProbeSet, thresholds: Tensor | None = None):
+        thr = probes.thresholds if thresholds is None else torch.as_tensor(thresholds)
+        if thr is None:
+            raise ValueError("LearnedGate needs thresholds: tune them (tune_thresholds) or pass [2, L-1] values")
+        if tuple(thr.shape) != (2, probes.num_layers - 1):
+            raise ValueError(f"thresholds must be [2 phases (prefill, decode), {probes.num_layers - 1} probes]; got "
+                             f"{tuple(thr.shape)}")
+        self.probes = probes
+        self.thresholds = thr.float()
+        self._gates = {(ph, l): CrossLayerGate(Threshold(float(thr[i, l])))
+                       for i, ph in enumerate(PHASE_NAMES) for l in range(thr.shape[1])}
+        self.rule = None  # one rule per (phase, layer): see `rule_for`
+        self.name = f"learned[{probes.kind}]"
+        self.phase: str | None = None
+
+    def set_phase(self, phase: str | None) -> None:
+        """Use the thresholds of ``phase`` ('prefill'/'decode'), or None to infer it from the rows."""
+        if phase is not None and phase not in PHASE_NAMES:
+            raise ValueError(f"phase must be one of {PHASE_NAMES} or None, not {phase!r}")
+        self.phase = phase
+
+    def rule_for(self, layer: int, phase: str) -> Threshold:
+        """The selection rule used for source layer ``layer`` in ``phase``."""
+        return self._gates[(phase, layer)].rule
+
+    def scores(self, layer: int, gate_input: Tensor) -> Tensor:
+        """What the driver passes as ``next_scores``: the probe's probabilities ``[T, E]`` for layer+1."""
+        return self.probes.scores(layer, gate_input)
+
+    def predict(self, layer: int, next_scores: Tensor | None, cur_experts: Tensor) -> list[int]:
+        """Experts predicted for layer ``layer + 1`` from probe scores ``[E]`` / ``[T, E]`` (see ``Predictor``)."""
+        if next_scores is None:
+            raise ValueError("LearnedGate needs next_scores = LearnedGate.scores(layer, gate input of layer)")
+        rows = 1 if next_scores.dim() == 1 else next_scores.shape[0]
+        gate = self._gates.get((self.phase or ("decode" if rows == 1 else "prefill"), layer))
+        if gate is None:
+            raise IndexError(f"no probe for layer {layer}: probes read MoE layers 0..{self.thresholds.shape[1] - 1}")
+        return gate.predict(layer, next_scores, cur_experts)
+
+
+# ----------------------------------------------------------------------------- training data and fit
+
+
+def train_prompts(n: int, max_chars: int = 400, seed: int = 0) -> list[str]:
+    """``n`` prompts cut from TRAINING-split documents (seeded; never a held-out document).
+
+    Drawn like ``heldout_prompts`` draws the held-out ones: the corpus sources take turns, so each
+    source's style is represented (the Bible is 26 long documents, the dictionaries thousands of
+    short ones: a uniform draw over documents would all but miss it). Each prompt is a window of
+    about ``max_chars`` from a random document of that source: its start, or, in a document longer
+    than four windows, a random line start, cut back to a word boundary.
+    """
+    from fate_lab.model.corpus import load_corpus
+
+    by_source: dict[str, list[str]] = {}
+    for d in load_corpus(split="train"):
+        by_source.setdefault(d["source"], []).append(d["text"])
+    if n > 0 and not by_source:
+        raise ValueError("the training split of the corpus is empty")
+    rng = random.Random(seed)
+    sources = sorted(by_source)
+    prompts: list[str] = []
+    seen: set[str] = set()
+    for _ in range(100 * n):  # draws; a repeated window is drawn again
+        if len(prompts) == n:
+            break
+        texts = by_source[sources[len(prompts) % len(sources)]]
+        text = texts[rng.randrange(len(texts))]
+        start = 0
+        if len(text) > 4 * max_chars:
+            start = text.find("\n", rng.randrange(len(text) - 2 * max_chars)) + 1  # 0 when no line start is left
+        cut = text[start : start + max_chars].lstrip()
+        cut = cut[: cut.rfind(" ")] if " " in cut else cut
+        if cut and cut not in seen:
+            seen.add(cut)
+            prompts.append(cut)
+    if len(prompts) < n:
+        raise ValueError(f"could draw only {len(prompts)} distinct training prompts of the {n} asked for")
+    return prompts
+
+
+def training_trace(model, tokenizer, prompts: int = 320, decode_tokens: int = 48, prefill_prompts: int = 2560,
+                   max_chars: int = 400, seed: int = 0, progress: bool = True) -> Trace:
+    """The probes' training data: a routing trace of training-split text (``train_prompts``).
+
+    ``prompts`` prompts are prefilled and greedily decoded for ``decode_tokens`` steps (the decode
+    tokens a runtime sees); ``prefill_prompts`` further prompts (the next draws) are only prefilled:
+    a forward of a whole prompt costs about what one decode step does, so they add prefill tokens
+    cheaply. Gate inputs are kept in float16, as ``Trace.save`` stores them.
+    """
+    from fate_lab.model.trace import record_trace
+
+    texts = train_prompts(prompts + prefill_prompts, max_chars, seed)
+    parts = [record_trace(model, tokenizer, t, decode_tokens=d, progress=progress)
+             for t, d in ((texts[:prompts], decode_tokens), (texts[prompts:], 0)) if t]
+    for t in parts:
+        t.gate_inputs = t.gate_inputs.half()  # (N, L, H) half the memory; the cached traces are float16 too
+    if len(parts) == 1:
+        return parts[0]
+    a, b = parts
+    rows = {n: torch.cat([getattr(a, n), getattr(b, n)]) for n in
+            ("experts", "token_ids", "phase", "position", "weights", "logits", "gate_inputs")}
+    meta = dict(a.meta, prompts=a.meta["prompts"] + b.meta["prompts"],
+                generated=a.meta["generated"] + b.meta["generated"], prefill_only_prompts=len(b.meta["prompts"]))
+    return replace(a, **rows, prompt_id=torch.cat([a.prompt_id, b.prompt_id + prompts]), meta=meta)
+
+
+def _targets(experts: Tensor, num_experts: int) -> Tensor:
+    """``[N, L, k]`` ids -> ``[N, L-1, E]`` bool: the experts of layer l+1, the label of probe l."""
+    nxt = experts[:, 1:].long()  # (N, L-1, k)
+    return torch.zeros(*nxt.shape[:2], num_experts, dtype=torch.bool).scatter_(-1, nxt, True)
+
+
+def _check_trace(trace: Trace, what: str) -> None:
+    if trace.gate_inputs is None:
+        raise ValueError(f"the {what} trace has no gate inputs (a routing-only trace?); record one with record_trace")
+    if trace.num_layers < 2:
+        raise ValueError(f"the {what} trace has {trace.num_layers} MoE layer(s); cross-layer probes need at least 2")
+
+
+def fit_probes(trace: Trace, hidden: int = HIDDEN, alpha: float = 1e-2, C: float = 1.0, seed: int = 0,
+               dtype: torch.dtype = torch.float32, progress: bool = True) -> ProbeSet:
+    """Fit one probe per MoE layer l (x_l -> experts of l+1) on ``trace``; thresholds left to ``tune_thresholds``.
+
+    ``hidden=0``: one-vs-rest L2 logistic regression (sklearn ``LogisticRegression``, Newton solver,
+    inverse strength ``C``), one fit per expert. ``hidden>0``: one ReLU hidden layer of that width
+    with logistic outputs, all experts at once (sklearn ``MLPClassifier``, L2 ``alpha``, Adam,
+    early stopping on a seeded 10% split). Inputs are standardised; the scaling is folded into the
+    first layer. ``dtype`` is the storage dtype of the result (float16 halves the file).
+    """
+    import numpy as np
+    import sklearn
+
+    _check_trace(trace, "training")
+    if hidden < 0:
+        raise ValueError(f"hidden must be >= 0 (0: linear probes), got {hidden}")
+    N, L, H = trace.gate_inputs.shape
+    E = trace.num_experts
+    labels = _targets(trace.experts, E).numpy()  # (N, L-1, E)
+    out = {"weight": [], "bias": [], "hidden_weight": [], "hidden_bias": []}
+    bar = tqdm(total=(L - 1) * (E if hidden == 0 else 1), desc="fit probes", unit="fit", disable=not progress)
+    for l in range(L - 1):
+        x = trace.gate_inputs[:, l].double().numpy()  # (N, H)
+        mu, sd = x.mean(0), x.std(0) + 1e-6
+        z = (x - mu) / sd  # (N, H) standardised
+        if hidden == 0:
+            w, b = _fit_logistic(z, labels[:, l], C, bar)  # (E, H), (E,)
+            w = w / sd  # fold the standardisation: w.z + b = (w/sd).x + (b - (w/sd).mu)
+            out["weight"].append(torch.from_numpy(w))
+            out["bias"].append(torch.from_numpy(b - w @ mu))
+        else:
+            w1, b1, w2, b2 = _fit_mlp(z.astype(np.float32), labels[:, l], hidden, alpha, seed)
+            w1 = w1.astype(np.float64) / sd[:, None]  # (H, D) folded as above
+            out["hidden_weight"].append(torch.from_numpy(w1.T))
+            out["hidden_bias"].append(torch.from_numpy(b1 - mu @ w1))
+            out["weight"].append(torch.from_numpy(w2.T.astype(np.float64)))
+            out["bias"].append(torch.from_numpy(b2.astype(np.float64)))
+            bar.update(1)
+    bar.close()
+    meta = {"probe": "logistic_regression_ovr" if hidden == 0 else "mlp_relu_logistic", "hidden": hidden,
+            "alpha": alpha if hidden else None, "C": C if hidden == 0 else None, "seed": seed,
+            "training_tokens": N, "training_prefill_tokens": int((trace.phase == PREFILL).sum()),
+            "training_decode_tokens": int((trace.phase == DECODE).sum()), "sklearn": sklearn.__version__,
+            "storage_dtype": str(dtype).removeprefix("torch.")}
+    stacked = {k: torch.stack(v).to(dtype) for k, v in out.items() if v}
+    return ProbeSet(**stacked, meta=meta)
+
+
+def _fit_logistic(z, y, C: float, bar) -> tuple:
+    """One-vs-rest logistic regression on standardised ``z [N, H]``, labels ``y [N, E]`` -> (w [E, H], b [E])."""
+    import numpy as np
+    from sklearn.linear_model import LogisticRegression
+
+    E = y.shape[1]
+    w, b = np.zeros((E, z.shape[1])), np.zeros(E)
+    for e in range(E):
+        if y[:, e].all() or not y[:, e].any():  # never (or always) routed to in training: a constant probe
+            b[e] = _SATURATED_LOGIT if y[:, e].all() else -_SATURATED_LOGIT
+        else:
+            clf = LogisticRegression(C=C, solver="newton-cholesky", max_iter=100).fit(z, y[:, e])
+            w[e], b[e] = clf.coef_[0], clf.intercept_[0]
+        bar.update(1)
+    return w, b
+
+
+def _fit_mlp(z, y, hidden: int, alpha: float, seed: int) -> tuple:
+    """A one-hidden-layer multi-label MLP on ``z [N, H]``, ``y [N, E]`` -> (w1 [H, D], b1 [D], w2 [D, E], b2 [E])."""
+    import numpy as np
+    from sklearn.neural_network import MLPClassifier
+
+    E = y.shape[1]
+    always = y.all(0)  # sklearn's multi-label output needs both classes present per column
+    never = ~y.any(0)
+    clf = MLPClassifier(hidden_layer_sizes=(hidden,), activation="relu", alpha=alpha, batch_size=256,
+                        max_iter=200, early_stopping=True, n_iter_no_change=5, random_state=seed)
+    clf.fit(z, y.astype(np.int64))
+    w1, b1 = clf.coefs_[0], clf.intercepts_[0]
+    w2, b2 = clf.coefs_[1].copy(), clf.intercepts_[1].copy()
+    if w2.shape[1] != E:
+        raise RuntimeError(f"the MLP has {w2.shape[1]} outputs for {E} experts")
+    w2[:, always | never] = 0.0
+    b2[always] = _SATURATED_LOGIT
+    b2[never] = -_SATURATED_LOGIT
+    return w1, b1, w2, b2
+
+
+# ----------------------------------------------------------------------------- thresholds at equal recall
+
+
+def threshold_for_recall(scores: Tensor, true: Tensor, target: float) -> float:
+    """The largest p with ``Threshold(p)``'s recall >= ``target`` on ``scores``/``true`` (both ``[..., E]``).
+
+    Exact: a true expert is found at threshold p iff its score is >= p or it is the row's best (the
+    fallback), so the recall at p counts the true experts' "reach" values >= p.
+    """
+    if scores.shape != true.shape or true.dtype != torch.bool:
+        raise ValueError(f"scores and true must be [..., E] of one shape, true a bool mask; got "
+                         f"{tuple(scores.shape)} and {tuple(true.shape)} {true.dtype}")
+    s = scores.reshape(-1, scores.shape[-1]).float()  # (R, E)
+    t = true.reshape(-1, true.shape[-1])  # (R, E)
+    best = torch.zeros_like(t).scatter_(-1, s.argmax(-1, keepdim=True), True)  # (R, E) the fallback's pick
+    reach = torch.where(best, torch.full_like(s, math.inf), s)[t]  # (hits,) highest p at which each is found
+    total = int(t.sum())
+    if total == 0:
+        return 1.0
+    need = max(1, math.ceil(target * total - 1e-9))
+    if need > total:
+        raise ValueError(f"target recall {target} is above 1")
+    p = float(torch.sort(reach, descending=True).values[need - 1])
+    return min(p, 1.0)  # inf: the fallback alone reaches it; p=1.0 selects at least as much
+
+
+def percentile_recall(trace: Trace, q: float = 75.0) -> dict:
+    """Recall of Fate's ``Percentile(q)`` on ``trace``: ``{phase: {"overall": r, "per_layer": [L-1]}}``."""
+    res = evaluate_rule(trace_cross_layer_scores(trace), trace.experts, Percentile(q), trace.phase)
+    return {ph: None if res[ph] is None or not res[ph]["tokens"] else
+            {"overall": res[ph]["recall"], "per_layer": [r["recall"] for r in res[ph]["per_layer"]]}
+            for ph in PHASE_NAMES}
+
+
+def tune_thresholds(probes: ProbeSet, trace: Trace, q: float = 75.0, match: str = "overall") -> ProbeSet:
+    """``probes`` with thresholds at which each phase's recall on ``trace`` equals ``Percentile(q)``'s there.
+
+    ``match="overall"``: one threshold per phase for all layers, matched to the phase's overall
+    recall (the set sizes go where the probes are least sure: the best size for that recall when
+    the probabilities are calibrated). ``match="layer"``: one per layer, matched layer by layer.
+    Recall on ``trace`` is then >= the target (the smallest sets that reach it). Use a trace the
+    probes were not fitted on and that is not the one you evaluate on (e.g. the calib split).
+    """
+    _check_trace(trace, "tuning")
+    if match not in MATCH_MODES:
+        raise ValueError(f"match must be one of {MATCH_MODES}, not {match!r}")
+    probes.check(trace.num_layers, trace.num_experts, trace.gate_inputs.shape[-1])
+    scores = probes.trace_scores(trace.gate_inputs)  # (N, L-1, E)
+    true = _targets(trace.experts, probes.num_experts)  # (N, L-1, E)
+    targets = percentile_recall(trace, q)
+    thr = torch.zeros(2, probes.num_layers - 1)
+    for i, ph in enumerate(PHASE_NAMES):
+        rows = trace.phase == (PREFILL if ph == "prefill" else DECODE)
+        if targets[ph] is None:  # no tokens of this phase: borrow the other phase's thresholds below
+            thr[i] = math.nan
+            continue
+        if match == "overall":
+            thr[i] = threshold_for_recall(scores[rows], true[rows], targets[ph]["overall"])
+        else:
+            for l in range(probes.num_layers - 1):
+                thr[i, l] = threshold_for_recall(scores[rows, l], true[rows, l], targets[ph]["per_layer"][l])
+    if thr.isnan().all():
+        raise ValueError("the tuning trace has no tokens")
+    thr = torch.where(thr.isnan(), thr.flip(0), thr)
+    meta = dict(probes.meta, tuning={"rule": f"Threshold matched to Percentile({q}) recall", "match": match,
+                                     "tokens": trace.num_tokens, "target_recall": targets})
+    return replace(probes, thresholds=thr, meta=meta)
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+def _host_us(fn, reps: int) -> float:
+    """Microseconds per call of ``fn``: the best of 5 blocks of ``reps`` calls (robust to a busy CPU)."""
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best * 1e6
+
+
+def _row(phase: str, layer, pct: dict, shipped: dict, eq: dict) -> dict:
+    return {"phase": phase, "layer": layer,
+            "pct_recall": pct["recall"], "pct_precision": pct["precision"], "pct_set_size": pct["mean_set_size"],
+            "probe_recall": shipped["recall"], "probe_precision": shipped["precision"],
+            "probe_set_size": shipped["mean_set_size"],
+            "eq_recall": eq["recall"], "eq_precision": eq["precision"], "eq_set_size": eq["mean_set_size"],
+            "size_ratio": eq["mean_set_size"] / pct["mean_set_size"]}
+
+
+def _evaluate_thresholds(scores: Tensor, experts: Tensor, thr: Tensor) -> list[dict]:
+    """Metrics of per-layer thresholds ``thr [L-1]`` on one phase's rows, per layer."""
+    return [evaluate_rule(scores[:, l : l + 1], experts[:, l : l + 2], Threshold(float(thr[l])))["all"]
+            for l in range(scores.shape[1])]
+
+
+def compare_with_percentile(probes: ProbeSet, eval_trace: Trace, q: float = 75.0, match: str | None = None,
+                            reps: int = 2000) -> pd.DataFrame:
+    """The probes against Fate's ``Percentile(q)`` on a held-out trace, per phase, per layer and overall.
+
+    Columns: ``pct_*`` the percentile rule on the router product; ``probe_*`` the probes with their
+    shipped thresholds (tuned on another trace); ``eq_*`` the probes at equal recall (thresholds
+    matched on ``eval_trace`` itself, ``match`` as in ``tune_thresholds``; default: the shipped
+    mode): a point on the probes' recall/size curve, not a deployable setting; ``size_ratio`` =
+    eq_set_size / pct_set_size (the target: <= 0.6). Host time per layer on one decode token, in
+    microseconds, scoring alone (``*_score_us``) and scoring + selection (``*_predict_us``): probe vs
+    router product + percentile. Overall rows (layer "all") are means over (token, layer) pairs.
+    """
+    _check_trace(eval_trace, "evaluation")
+    if eval_trace.router_weights is None:
+        raise ValueError("the evaluation trace has no router weights; record it with record_trace")
+    probes.check(eval_trace.num_layers, eval_trace.num_experts, eval_trace.gate_inputs.shape[-1])
+    match = match or probes.meta.get("tuning", {}).get("match", "overall")
+    if probes.thresholds is None:
+        raise ValueError("these probes have no tuned thresholds; call tune_thresholds(probes, calib_trace) first")
+    eq_probes = tune_thresholds(probes, eval_trace, q, match)
+    pct_scores = trace_cross_layer_scores(eval_trace)  # (N, L-1, E)
+    scores = probes.trace_scores(eval_trace.gate_inputs)  # (N, L-1, E)
+    P = probes.num_layers - 1
+    rw = eval_trace.router_weights.float()
+    scoring = eval_trace.meta.get("scoring", "softmax")
+    decode_rows = (eval_trace.phase == DECODE).nonzero().flatten()
+    t1 = int(decode_rows[0]) if len(decode_rows) else 0  # one decode token
+    x1 = eval_trace.gate_inputs[t1].float()  # (L, H)
+    rows = []
+    for i, ph in enumerate(PHASE_NAMES):
+        sel = eval_trace.phase == (PREFILL if ph == "prefill" else DECODE)
+        if not sel.any():
+            continue
+        ex = eval_trace.experts[sel]
+        pct = evaluate_rule(pct_scores[sel], ex, Percentile(q))["all"]
+        shipped = _evaluate_thresholds(scores[sel], ex, probes.thresholds[i])
+        eq = _evaluate_thresholds(scores[sel], ex, eq_probes.thresholds[i])
+        for l in range(P):
+            rows.append(_row(ph, l + 1, pct["per_layer"][l], shipped[l], eq[l]))
+        mean = lambda ms, key: sum(m[key] for m in ms) / P  # noqa: E731 same tokens in every layer
+        keys = ("recall", "precision", "mean_set_size")
+        rows.append(_row(ph, "all", {k: pct[k] for k in keys}, {k: mean(shipped, k) for k in keys},
+                         {k: mean(eq, k) for k in keys}))
+    table = pd.DataFrame(rows)
+    learned, fate, timing = LearnedGate(probes), CrossLayerGate(Percentile(q)), {}
+    learned.set_phase("decode")
+    for l in range(P):  # what a driver pays per layer and decode token: scores, then predict (as policy/step.py)
+        w, x, cur = rw[l + 1], x1[l : l + 1], eval_trace.experts[t1, l]  # (E, H), (1, H), (k,)
+        timing[l + 1] = {
+            "probe_score_us": _host_us(lambda: learned.scores(l, x), reps),
+            "gate_score_us": _host_us(lambda: next_layer_scores(w, x, scoring), reps),
+            "probe_predict_us": _host_us(lambda: learned.predict(l, learned.scores(l, x)[0], cur), reps),
+            "gate_predict_us": _host_us(lambda: fate.predict(l, next_layer_scores(w, x, scoring)[0], cur), reps),
+        }
+    for col in ("probe_score_us", "gate_score_us", "probe_predict_us", "gate_predict_us"):
+        per_layer = {l: t[col] for l, t in timing.items()}
+        table[col] = [per_layer[r] if r != "all" else sum(per_layer.values()) / P for r in table["layer"]]
+    return table
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``--fit``: record training-split text, fit, tune on the calib split, save beside the model; then compare."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fit", action="store_true", help="fit and save the probes (else: compare the saved ones)")
+    p.add_argument("--model", default=None, help="local HF MoE checkpoint folder (default: embedded data/tiny_moe)")
+    p.add_argument("--prompts", type=int, default=320, help="training-split prompts to prefill and decode")
+    p.add_argument("--decode-tokens", type=int, default=48, help="greedy decode steps per such prompt")
+    p.add_argument("--prefill-prompts", type=int, default=2560, help="further training-split prompts, prefill only")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="probe hidden width (0: linear logistic regression)")
+    p.add_argument("--alpha", type=float, default=1e-2, help="L2 strength of MLP probes")
+    p.add_argument("--C", type=float, default=1.0, help="inverse L2 strength of linear probes")
+    p.add_argument("--match", choices=MATCH_MODES, default="overall", help="threshold per phase or per layer")
+    p.add_argument("--dtype", choices=("float16", "float32"), default="float16", help="storage dtype")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output .safetensors (default: <model>/" + PROBES_FILE + ")")
+    args = p.parse_args(argv)
+    from fate_lab.study import lab  # the model loader and the cached held-out traces of the notebooks
+
+    out = Path(args.out) if args.out else probes_path(lab.model_path(args.model))
+    if args.fit:
+        torch.manual_seed(args.seed)
+        model, tok = lab.load(args.model)
+        t0 = time.perf_counter()
+        train = training_trace(model, tok, args.prompts, args.decode_tokens, args.prefill_prompts, seed=args.seed)
+        probes = fit_probes(train, args.hidden, args.alpha, args.C, args.seed, getattr(torch, args.dtype))
+        probes.meta.update(model=lab.model_path(args.model).name, training_prompts=args.prompts,
+                           training_decode_tokens_per_prompt=args.decode_tokens,
+                           training_prefill_only_prompts=args.prefill_prompts,
+                           training_text="fate_lab.policy.learned.train_prompts (training-split documents)",
+                           tuning_trace="lab.get_trace(split='calib')")
+        probes = tune_thresholds(probes, lab.get_trace(args.model, split="calib"), match=args.match)
+        print(f"fitted {probes.kind} probes on {train.num_tokens} training tokens in {time.perf_counter() - t0:.0f} s")
+        path = probes.save(out)
+        print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB) and {path.with_suffix('.json').name}")
+    else:
+        probes = ProbeSet.load(out) if args.out else load_probes(lab.model_path(args.model))
+    table = compare_with_percentile(probes, lab.get_trace(args.model, split="eval"))
+    with pd.option_context("display.width", 200, "display.max_columns", None):
+        print(table.round(3).to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
