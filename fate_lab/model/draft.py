@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from fate_lab.model.corpus import CORPUS_FILE, heldout_prompts, load_corpus
-from fate_lab.model.train import _batches, _token_stream, evaluate
+from fate_lab.model.train import _batches, _token_stream, adamw, cosine_schedule, evaluate
 from fate_lab.paths import DATA_DIR, TINY_MOE_DIR
 
 TINY_DRAFT_DIR = DATA_DIR / "tiny_draft"
@@ -172,20 +172,8 @@ def train_draft(cfg: DraftConfig, out_dir: Path = TINY_DRAFT_DIR, target_dir: Pa
     model = Qwen2ForCausalLM(draft_config(cfg, target.config))
     seeded = init_from_target(model, target) if cfg.init == "moe" else []
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
-    )
-
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        if cfg.minutes is not None:  # the cosine ends with whichever budget runs out first
-            t = max(t, (time.time() - t_start) / (cfg.minutes * 60))
-        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+    opt = adamw(model, cfg)
+    lr_at = cosine_schedule(cfg, t_start)
 
     first_val = evaluate(model, val_ids, cfg)
     best = {"val_ce": first_val, "step": 0, "state": copy.deepcopy(model.state_dict())}

@@ -169,6 +169,30 @@ def expert_load(model, stream: torch.Tensor, tokens: int = 16384, seq_len: int =
     return (counts.float() / counts.sum(-1, keepdim=True)).tolist()
 
 
+def adamw(model, cfg) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (no decay on norms, biases and embeddings)."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+
+
+def cosine_schedule(cfg, t_start: float):
+    """step -> learning rate: linear warm-up, then a cosine to min_lr_ratio that ends with whichever of
+    cfg.steps and cfg.minutes (wall clock since t_start) runs out first."""
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        if cfg.minutes is not None:
+            t = max(t, (time.time() - t_start) / (cfg.minutes * 60))
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+    return lr_at
+
+
 def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> dict:
     """Train tokenizer + model, save safetensors (bf16), config, tokenizer and a model card."""
     from transformers import Qwen2MoeForCausalLM
@@ -187,20 +211,8 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
     model = Qwen2MoeForCausalLM(mcfg)
     model.set_experts_implementation("grouped_mm")
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
-    )
-
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        if cfg.minutes is not None:  # the cosine ends with whichever budget runs out first
-            t = max(t, (time.time() - t_start) / (cfg.minutes * 60))
-        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+    opt = adamw(model, cfg)
+    lr_at = cosine_schedule(cfg, t_start)
 
     gen = torch.Generator().manual_seed(cfg.seed)
     batches = _batches(train_ids, cfg, gen)
