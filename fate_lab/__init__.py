@@ -2,7 +2,8 @@
 
 Public entry points are imported lazily so ``import fate_lab`` stays fast:
 
-    model, tok = fate_lab.load_model()                 # the embedded tiny MoE (data/tiny_moe)
+    model, tok = fate_lab.load_model()                 # the default embedded model (data/tiny_moe)
+    model, tok = fate_lab.load_model("tiny_deepseek")  # the second one, DeepSeek-V2-Lite-shaped
     trace = fate_lab.record_trace(model, tok, prompts, decode_tokens=64)
     rt = fate_lab.offload(model, fate_lab.OffloadConfig.preset("fate", budget=...))
 """

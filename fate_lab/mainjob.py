@@ -1,8 +1,9 @@
 """The main job (``make main`` / ``python -m fate_lab main``): run every notebook, print their tables.
 
-What it is: the one command that regenerates every figure and table of the suite from the
-embedded model (or a local checkpoint), writing executed notebooks into ``out/notebooks`` and
-ending with each notebook's paper-vs-ours table.
+What it is: the one command that regenerates every figure and table of the suite, on every embedded
+model by default (``tiny_moe``, then ``tiny_deepseek``) or on the models named, writing executed
+notebooks into ``out/<model>/notebooks`` and ending with each notebook's paper-vs-ours table, one
+"ours" column per model beside the paper's (also written to ``out/paper_vs_ours.md``).
 What it is not: a place for analysis; each notebook calls the package.
 """
 from __future__ import annotations
@@ -14,29 +15,109 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 
-def final_text(path: Path) -> str:
-    """The plain-text form of an executed notebook's closing paper-vs-ours table."""
+def _last_code_outputs(path: Path) -> list[dict]:
     nb = json.loads(Path(path).read_text())
     code = [c for c in nb.get("cells", []) if c.get("cell_type") == "code"]
-    for o in code[-1].get("outputs", []) if code else []:
+    return code[-1].get("outputs", []) if code else []
+
+
+def final_text(path: Path) -> str:
+    """The plain-text form of an executed notebook's closing paper-vs-ours table."""
+    for o in _last_code_outputs(path):
         text = o.get("data", {}).get("text/plain")
         if text:
             return "".join(text)
     return "(no table)"
 
 
-def run_main(out: Path, model: str | None = None, fast: bool = False) -> None:
-    """Execute every notebook into ``out/notebooks``, then print each one's paper-vs-ours table."""
+def final_rows(path: Path) -> list[list[str]] | None:
+    """The rows (quantity, paper, ours, agreement) of an executed notebook's closing table, or None."""
+    from fate_lab.study.lab import TABLE_MIME
+
+    for o in _last_code_outputs(path):
+        table = o.get("data", {}).get(TABLE_MIME)
+        if table:
+            return [list(r) for r in table["rows"]]
+    return None
+
+
+def side_by_side(tables: dict[str, list[list[str]] | None]) -> list[dict[str, str]]:
+    """One row per quantity: the paper's number, each model's number and agreement sentence, and whether
+    the models' verdicts differ (their agreement sentences, numbers aside, are not the same).
+
+    ``tables`` maps a model name to its notebook's rows; a model whose notebook showed no table gets '—'.
+    """
+    import re
+
+    order: list[str] = []
+    paper: dict[str, str] = {}
+    by_model: dict[str, dict[str, tuple[str, str]]] = {}
+    for name, rows in tables.items():
+        by_model[name] = {}
+        for quantity, paper_value, ours, agreement in rows or []:
+            if quantity not in paper:
+                order.append(quantity)
+                paper[quantity] = paper_value
+            by_model[name][quantity] = (ours, agreement)
+
+    def verdict(sentence: str) -> str:  # the words of an agreement sentence, without its numbers
+        return re.sub(r"[-+]?\d[\d.,]*%?x?", "#", sentence).strip()
+
+    out = []
+    for q in order:
+        row = {"quantity": q, "paper": paper[q]}
+        for name in tables:
+            row[name] = by_model[name].get(q, ("—", ""))[0]
+        for name in tables:
+            row[f"agreement ({name})"] = by_model[name].get(q, ("", "—"))[1]
+        verdicts = {verdict(by_model[n][q][1]) for n in tables if q in by_model[n]}
+        row["models"] = "same verdict" if len(verdicts) <= 1 else "DIFFER (see the README's results)"
+        out.append(row)
+    return out
+
+
+def markdown(rows: list[dict[str, str]]) -> str:
+    """A side-by-side table as markdown."""
+    if not rows:
+        return "(no table)"
+    keys = list(rows[0])
+    cell = lambda v: str(v).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def run_main(out: Path, models: list[str] | None = None, fast: bool = False) -> Path:
+    """Execute every notebook for each model into ``out/<model>/notebooks``, then print each notebook's
+    paper-vs-ours table with a column per model; returns the markdown file holding those tables."""
+    from fate_lab.paths import EMBEDDED_MODELS, model_name
     from fate_lab.study.notebooks import notebook_paths, run_notebook
 
+    models = list(models) if models else list(EMBEDDED_MODELS)
+    names = [model_name(m) for m in models]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two models share the name {names}: rename a folder so that their results do not mix")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    params = {"MODEL": model or "", "FAST": fast}
     nbs = notebook_paths()
-    done = []
-    for nb in tqdm(nbs, desc="notebooks", unit="nb"):
-        done.append(run_notebook(nb, out / "notebooks", params))
-    for path in done:
-        print(f"\n== {path.stem}: paper vs ours\n{final_text(path)}")
-    print(f"\n[fate_lab] {len(nbs)} notebooks executed into {out / 'notebooks'} in {time.time() - t0:.0f} s "
-          f"(model: {model or 'the embedded tiny MoE'}; traces cached in results/cache)")
+    done: dict[str, dict[str, Path]] = {}
+    for model, name in zip(models, names):
+        params = {"MODEL": "" if model is None else str(model), "FAST": fast}
+        done[name] = {}
+        for nb in tqdm(nbs, desc=f"notebooks ({name})", unit="nb"):
+            done[name][nb.stem] = run_notebook(nb, out / name / "notebooks", params)
+    sections = []
+    for nb in nbs:
+        rows = side_by_side({name: final_rows(done[name][nb.stem]) for name in names})
+        sections.append(f"## {nb.stem}: paper vs ours\n\n{markdown(rows)}\n")
+        print(f"\n== {nb.stem}: paper vs ours ({', '.join(names)})")
+        for r in rows:
+            ours = " | ".join(f"{n}: {r[n]}" for n in names)
+            print(f"- {r['quantity']}: paper {r['paper']} | {ours}  [{r['models']}]")
+    summary = out / "paper_vs_ours.md"
+    summary.write_text(f"# Paper vs ours, {', '.join(names)}\n\nWritten by `python -m fate_lab main`"
+                       f"{' --fast' if fast else ''}; executed notebooks in {out}/<model>/notebooks.\n\n"
+                       + "\n".join(sections))
+    print(f"\n[fate_lab] {len(nbs)} notebooks x {len(names)} model(s) ({', '.join(names)}) executed into "
+          f"{out}/<model>/notebooks in {time.time() - t0:.0f} s; tables side by side in {summary}")
+    return summary

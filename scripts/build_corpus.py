@@ -6,11 +6,14 @@ Run once by a maintainer (needs `apt-get download`, i.e. a Debian mirror); the r
     python scripts/build_corpus.py --debs /tmp/debs --out data/corpus
 
 Sources (all public domain; see data/corpus/SOURCES.md):
-  * sword-text-web  World English Bible (SWORD zText, OSIS markup), one document per book
-  * dict-jargon     The Jargon File 4.4.7 (dictd format), one document per entry
-  * dict-devil      The Devil's Dictionary, Ambrose Bierce 1911 (dictd), one document per entry
-The Bible alone would be ~70% of the text, so only every fourth book is kept (by canonical
-order) to keep the corpus from being dominated by a single source.
+  * sword-text-web       World English Bible (SWORD zText, OSIS markup), one document per book
+  * dict-jargon          The Jargon File 4.4.7 (dictd format), one document per entry
+  * dict-devil           The Devil's Dictionary, Ambrose Bierce 1911 (dictd), one document per entry
+  * sword-comm-mhcc      Matthew Henry's Concise Commentary (SWORD zCom4), one document per book
+  * sword-comm-scofield  Scofield Reference Notes, 1917 (SWORD zCom), one document per book
+  * sword-comm-tdavid    C. H. Spurgeon, The Treasury of David, 1869-1885 (zCom4), one per psalm
+No single source may dominate: only every fourth Bible book, every second book of Henry's
+commentary and every eighth psalm of Spurgeon's are kept (by canonical order).
 """
 from __future__ import annotations
 
@@ -25,8 +28,11 @@ import subprocess
 import zlib
 from pathlib import Path
 
-PACKAGES = ("sword-text-web", "dict-jargon", "dict-devil")
+PACKAGES = ("sword-text-web", "dict-jargon", "dict-devil", "sword-comm-mhcc", "sword-comm-scofield",
+            "sword-comm-tdavid")
 BIBLE_KEEP_EVERY = 4  # keep one book in four
+MHCC_KEEP_EVERY = 2  # Henry's commentary: one book in two
+TDAVID_KEEP_EVERY = 8  # Spurgeon's Treasury of David: one psalm in eight (it alone is 11.8M characters)
 HELDOUT_PERCENT = 5  # whole documents, chosen by a hash of (source, title)
 
 
@@ -50,22 +56,30 @@ def _clean_osis(text: str) -> str:
     return text.strip()
 
 
-def bible_documents(root: Path) -> list[tuple[str, str]]:
-    """One (title, text) per book of the World English Bible, in canonical order."""
-    mod = root / "usr/share/sword/modules/texts/ztext/engWEB2015eb"
+def sword_documents(mod: Path, ext: str = "b", block: str = "book") -> list[tuple[str, str]]:
+    """One (osisID, text) per compressed block of a SWORD zText/zCom module (a book or a chapter),
+    in canonical order; ``ext`` is the index files' block letter (``b``ook or ``c``hapter)."""
     docs = []
     for testament in ("ot", "nt"):
-        idx = (mod / f"{testament}.bzs").read_bytes()
-        blob = (mod / f"{testament}.bzz").read_bytes()
+        idx = (mod / f"{testament}.{ext}zs").read_bytes()
+        blob = (mod / f"{testament}.{ext}zz").read_bytes()
         for i in range(len(idx) // 12):
             off, size, _ = struct.unpack("<III", idx[12 * i : 12 * i + 12])
+            if size == 0:
+                continue
             raw = zlib.decompress(blob[off : off + size]).decode("utf-8")
-            m = re.search(r'osisID="([^"]+)"[^>]*type="book"', raw)
+            pattern = r'osisID="([^"]+)"[^>]*type="book"' if block == "book" else r'<chapter\b[^>]*osisID="([^"]+)"'
+            m = re.search(pattern, raw)
             title = m.group(1) if m else f"{testament}-{i}"
             text = _clean_osis(raw)
             if len(text) > 200:
                 docs.append((title, text))
     return docs
+
+
+def bible_documents(root: Path) -> list[tuple[str, str]]:
+    """One (title, text) per book of the World English Bible, in canonical order."""
+    return sword_documents(root / "usr/share/sword/modules/texts/ztext/engWEB2015eb")
 
 
 def _b64(s: str) -> int:
@@ -111,10 +125,14 @@ def main() -> None:
         subprocess.run(["apt-get", "download", *PACKAGES], cwd=args.debs, check=True)
     root = _extract(args.debs)
     bible = bible_documents(root)[::BIBLE_KEEP_EVERY]
+    comm = root / "usr/share/sword/modules/comments/zcom"
     sources = {
         "web_bible": bible,
         "jargon_file": dictd_documents(root, "jargon"),
         "devils_dictionary": dictd_documents(root, "devil"),
+        "henry_commentary": sword_documents(comm / "mhcc")[::MHCC_KEEP_EVERY],
+        "scofield_notes": sword_documents(comm / "scofield"),
+        "treasury_of_david": sword_documents(comm / "tdavid", ext="c", block="chapter")[::TDAVID_KEEP_EVERY],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stats = {}

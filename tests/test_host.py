@@ -18,7 +18,7 @@ from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.host import HOST_PROFILES, HostProfile, HostTime
 from fate_lab.offloading.links import REAL_SETUPS
 from fate_lab.offloading.runtime import offload
-from fate_lab.paths import TINY_MOE_DIR
+from fate_lab.paths import EMBEDDED_MODELS
 from fate_lab.policy.placement import HostPlacement, host_layer_set
 from fate_lab.sim.simulate import COMPUTE_PROFILES, Hardware, ModelShape, simulate
 
@@ -72,10 +72,11 @@ def test_config_refuses_bad_host_settings():
 
 def _models():
     out = [("olmoe", tiny_model("olmoe", seed=1))]
-    if TINY_MOE_DIR.is_dir():
-        from fate_lab.model.models import load_model
+    from fate_lab.model.models import load_model
 
-        out.append(("tiny_moe", load_model(TINY_MOE_DIR)[0]))
+    for name, folder in EMBEDDED_MODELS.items():
+        if (folder / "model.safetensors").is_file():
+            out.append((name, load_model(name)[0]))
     return out
 
 

@@ -42,6 +42,20 @@ def test_a_file_path_is_named_a_file(name):
     assert "does not exist" not in str(e.value)
 
 
+def test_embedded_models_are_picked_by_name():
+    from fate_lab.paths import EMBEDDED_MODELS, model_dir, model_name
+
+    assert model_dir(None) == model_dir("") == TINY_MOE_DIR == model_dir("tiny_moe")
+    assert model_dir("tiny_deepseek") == EMBEDDED_MODELS["tiny_deepseek"]
+    assert model_dir("./tiny_moe").name == "tiny_moe" and model_dir("./tiny_moe") != TINY_MOE_DIR  # a path stays one
+    assert model_name(TINY_MOE_DIR) == "tiny_moe" and model_name("/x/other") == "other"
+
+
+def test_an_unknown_name_lists_the_embedded_models():
+    with pytest.raises(FileNotFoundError, match=r"does not exist.*'tiny_moe', 'tiny_deepseek'"):
+        load_model("tiny_nonesuch")
+
+
 def test_a_missing_folder_still_says_it_does_not_exist(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model(tmp_path / "nowhere")

@@ -4,6 +4,7 @@ import json
 import nbformat
 import pandas as pd
 import pytest
+from conftest import embedded_models
 
 from fate_lab.study import lab
 from fate_lab.study.notebooks import (
@@ -31,9 +32,10 @@ def test_committed_notebooks_are_clean():
 
 
 @pytest.mark.notebook
+@pytest.mark.parametrize("model_name", embedded_models())
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_in_fast_mode(path, tmp_path):
-    out = run_notebook(path, tmp_path, {"MODEL": "", "FAST": True})  # papermill raises if a cell raises
+def test_notebook_runs_in_fast_mode(path, model_name, tmp_path):
+    out = run_notebook(path, tmp_path, {"MODEL": model_name, "FAST": True})  # papermill raises if a cell raises
     assert notebook_errors(out) == []  # also tracebacks shown inside Output widgets
     table = final_table(out)
     assert "<table" in table, f"{path.name}: the last cell shows no table"
@@ -136,3 +138,32 @@ def test_paper_table_shows_full_sentences_in_text_and_html():
     assert "..." not in repr(t)
     assert pd.get_option("display.max_colwidth") == 50  # no global side effect
     assert "..." in repr(pd.DataFrame([[sentence]]))  # other tables keep pandas' default
+
+
+# --- the main job's side-by-side tables (hand examples)
+
+def test_side_by_side_puts_each_models_number_beside_the_papers():
+    from fate_lab.mainjob import markdown, side_by_side
+
+    a = [["hit rate", "99%", "80.00%", "lower than the paper's"], ["cosine", "88%", "90.00%", "agrees within 5 points"]]
+    b = [["hit rate", "99%", "70.00%", "lower than the paper's"], ["cosine", "88%", "70.00%", "lower than the paper's"]]
+    rows = side_by_side({"m1": a, "m2": b})
+    assert [r["quantity"] for r in rows] == ["hit rate", "cosine"]
+    assert (rows[0]["paper"], rows[0]["m1"], rows[0]["m2"]) == ("99%", "80.00%", "70.00%")
+    assert rows[0]["models"] == "same verdict"  # same words, other numbers
+    assert rows[1]["models"].startswith("DIFFER")
+    assert rows[1]["agreement (m2)"] == "lower than the paper's"
+    only = side_by_side({"m1": a, "m2": None})  # a notebook that showed no table
+    assert only[0]["m2"] == "—"
+    assert markdown(rows).splitlines()[0] == ("| quantity | paper | m1 | m2 | agreement (m1) | agreement (m2) | "
+                                              "models |")
+
+
+def test_paper_table_carries_its_rows_as_data_beside_the_html():
+    from IPython.core.formatters import DisplayFormatter
+
+    table = lab.paper_table([("q", "1%", "2%", "close")])
+    data, _ = DisplayFormatter().format(table)
+    assert "<table" in data["text/html"] and "close" in data["text/plain"]
+    assert data[lab.TABLE_MIME] == {"columns": ["quantity", "paper (Qwen1.5-MoE)", "ours", "agreement"],
+                                   "rows": [["q", "1%", "2%", "close"]]}

@@ -8,13 +8,13 @@ plain model is not what they run (a trace of the quantized model would be).
 """
 import pytest
 import torch
+from conftest import embedded_models
 
 from fate_lab.model.adapters import adapt
 from fate_lab.model.testing import tiny_model
 from fate_lab.model.trace import record_trace
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.runtime import offload
-from fate_lab.paths import TINY_MOE_DIR
 from fate_lab.sim.simulate import COMPUTE_PROFILES, Hardware, ModelShape, SimLink, simulate, trace_steps
 
 KEYS = ("calls", "uses", "hits", "late", "misses", "host", "prefetch_issued", "prefetch_useful", "prefetch_wasted",
@@ -57,11 +57,11 @@ def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int],
                 assert not diff, f"{name} slots={slots} layer {m}: runtime vs simulator {diff}"
 
 
-@pytest.mark.skipif(not TINY_MOE_DIR.is_dir(), reason="embedded model data/tiny_moe not present")
-def test_simulator_counts_equal_runtime_counts_on_the_embedded_model():
+@pytest.mark.parametrize("model_name", embedded_models())
+def test_simulator_counts_equal_runtime_counts_on_the_embedded_model(model_name):
     from fate_lab.model.models import load_model
 
-    model, tok = load_model(None)
+    model, tok = load_model(model_name)
     a = adapt(model)
     prompts = [tok("The expert cache holds")["input_ids"], tok("In the beginning")["input_ids"]]
     _check(model, prompts, new_tokens=10, budgets=[a.num_moe_layers * a.num_experts // 2,

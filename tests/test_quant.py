@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from conftest import embedded_models
 
 from fate_lab.model.adapters import adapt
 from fate_lab.model.testing import tiny_model
@@ -254,18 +255,12 @@ def test_fp16_outward_rounding_matches_nextafter():
         assert ((got.float() >= x) if d > 0 else (got.float() <= x)).all()
 
 
-def _embedded_model_present() -> bool:
-    from fate_lab.paths import TINY_MOE_DIR
-
-    return TINY_MOE_DIR.is_dir() and any(TINY_MOE_DIR.glob("*.safetensors"))
-
-
-@pytest.mark.skipif(not _embedded_model_present(), reason="embedded model data/tiny_moe not built yet")
-def test_int8_embedded_model_keeps_greedy_tokens_on_test_prompts():
+@pytest.mark.parametrize("model_name", embedded_models())
+def test_int8_embedded_model_keeps_greedy_tokens_on_test_prompts(model_name):
     from fate_lab.model.corpus import heldout_prompts
     from fate_lab.model.models import load_model
 
-    model, tok = load_model()
+    model, tok = load_model(model_name)
     q_model = quantize_model_experts(model, QuantPolicy.preset("int8"))
     agree = total = 0
     for prompt in heldout_prompts(4, max_chars=200):

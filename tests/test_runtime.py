@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import greedy, prompt_ids
+from conftest import embedded_models, greedy, prompt_ids
 from transformers import TextStreamer
 
 from fate_lab.model.adapters import adapt
@@ -17,7 +17,6 @@ from fate_lab.offloading.runtime import OffloadConfig, Runtime, offload
 from fate_lab.offloading.slots import FullSlots
 from fate_lab.offloading.store import RamStore
 from fate_lab.offloading.transfer import EmulatedLink
-from fate_lab.paths import TINY_MOE_DIR
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
 PRESETS = OffloadConfig.preset_names()
@@ -209,11 +208,11 @@ def test_emulated_link_overlaps_with_compute_and_holds_for_link_time():
     assert own and not any(t.is_alive() for t in own)
 
 
-@pytest.mark.skipif(not TINY_MOE_DIR.is_dir(), reason="embedded model data/tiny_moe not present")
-def test_embedded_model_every_preset():
+@pytest.mark.parametrize("model_name", embedded_models())
+def test_embedded_model_every_preset(model_name):
     from fate_lab.model.models import load_model
 
-    model, tok = load_model(None)
+    model, tok = load_model(model_name)
     a = adapt(model)
     ids = tok("The expert cache", return_tensors="pt")["input_ids"]
     ref_tokens, ref_logits = _generate(model, ids, n=8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy, prompt_ids
+from conftest import embedded_models, greedy, prompt_ids
 
 from fate_lab.model.adapters import adapt
 from fate_lab.model.testing import tiny_model
@@ -14,7 +14,6 @@ from fate_lab.offloading.runtime import OffloadConfig, offload
 from fate_lab.offloading.slots import FullSlots
 from fate_lab.offloading.store import QuantizedStore, RamStore
 from fate_lab.offloading.transfer import EmulatedLink
-from fate_lab.paths import TINY_MOE_DIR
 from fate_lab.quant import QuantPolicy, QuantSpec, quantize_model_experts
 
 NEW_TOKENS = 10
@@ -232,12 +231,12 @@ def test_emulated_link_holds_for_the_packed_bytes_and_dequantizes_into_the_slot(
         store.fetch_at(0, 0, QuantSpec.preset("int2"))
 
 
-@pytest.mark.skipif(not TINY_MOE_DIR.is_dir(), reason="embedded model data/tiny_moe not present")
-def test_embedded_model_int8_greedy_output_matches_on_heldout_prompts():
+@pytest.mark.parametrize("model_name", embedded_models())
+def test_embedded_model_int8_greedy_output_matches_on_heldout_prompts(model_name):
     from fate_lab.model.corpus import heldout_prompts
     from fate_lab.model.models import load_model
 
-    model, tok = load_model(None)
+    model, tok = load_model(model_name)
     agree = total = 0
     for prompt in heldout_prompts(2, max_chars=120):
         ids = tok(prompt, return_tensors="pt")["input_ids"]

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import prompt_ids
+from conftest import embedded_models, prompt_ids
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fate_lab.model.adapters import adapt
@@ -70,12 +70,13 @@ def _plain(model, ids, n=NEW):
 # --- exact greedy equality --------------------------------------------------------------------------
 
 
-def test_embedded_model_with_its_draft_matches_plain_greedy():
+@pytest.mark.parametrize("model_name", embedded_models())
+def test_embedded_model_with_its_draft_matches_plain_greedy(model_name):
     from fate_lab.model.corpus import heldout_prompts
     from fate_lab.model.models import load_model
 
     torch.set_num_threads(1)
-    model, tok = load_model()
+    model, tok = load_model(model_name)
     draft, dtok = load_draft()
     assert dtok.get_vocab() == tok.get_vocab()  # one vocabulary: HF's plain assisted generation applies
     ids = [tok(t, return_tensors="pt")["input_ids"][:, :20] for t in heldout_prompts(2)]

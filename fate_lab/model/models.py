@@ -1,8 +1,9 @@
 """Loading MoE language models for fate_lab: the embedded tiny MoE or a local HF checkpoint.
 
-What it is: one call, ``load_model(path_or_None, device=..., dtype=...)``, that loads a model and
-its tokenizer from a local directory (never from a hub) and checks that fate_lab supports its
-MoE family. What it is not: a downloader; safetensors only (no pickled weights).
+What it is: one call, ``load_model(name_or_path_or_None, device=..., dtype=...)``, that loads a model
+and its tokenizer from a local directory (never from a hub) and checks that fate_lab supports its
+MoE family. ``None`` is the default embedded model; ``"tiny_moe"`` and ``"tiny_deepseek"`` name the
+embedded models (``fate_lab.paths.EMBEDDED_MODELS``); anything else is a folder. What it is not: a downloader; safetensors only (no pickled weights).
 
 A model folder holds ``config.json``, ``*.safetensors`` weights and tokenizer files
 (``tokenizer.json``, or ``tokenizer.model``, or ``vocab.json`` + ``merges.txt``, or ``vocab.txt``).
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fate_lab.paths import TINY_MOE_DIR
+from fate_lab.paths import EMBEDDED_MODELS, model_dir
 
 # tokenizer files transformers can build a tokenizer from; any one group suffices
 _TOKENIZER_FILE_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
@@ -48,7 +49,10 @@ def _check_model_folder(path: Path) -> None:
         raise NotADirectoryError(f"{path} is a file, not a model folder; pass a model folder containing config.json "
                                  f"and the *.safetensors weights{hint}")
     if not path.is_dir():
-        hint = " (the embedded model ships in data/tiny_moe of a full clone)" if path == TINY_MOE_DIR else ""
+        if path in EMBEDDED_MODELS.values():
+            hint = f" (the embedded model {path.name!r} ships in data/{path.name} of a full clone)"
+        else:
+            hint = f" (the embedded models are named {', '.join(map(repr, EMBEDDED_MODELS))})"
         raise FileNotFoundError(f"model directory {path} does not exist{hint}; fate_lab never downloads models")
     if not list(path.glob("*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors weights in {path}; fate_lab loads safetensors only (no pickles)")
@@ -86,12 +90,13 @@ def _check_finite(model: torch.nn.Module, path: Path, dtype: torch.dtype | None)
 
 def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = torch.float32, experts_implementation: str | None = None):
-    """Load ``(model, tokenizer)`` from a local directory; ``None`` means the embedded tiny MoE."""
+    """Load ``(model, tokenizer)`` from a local directory or an embedded model's name; ``None`` means the
+    default embedded model (``tiny_moe``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from fate_lab.model.adapters import SUPPORTED_FAMILIES
 
-    path = Path(path) if path is not None else TINY_MOE_DIR
+    path = model_dir(path)
     _check_model_folder(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if config.model_type not in SUPPORTED_FAMILIES:

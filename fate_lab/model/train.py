@@ -1,11 +1,18 @@
-"""Train the embedded tiny MoE that ships in ``data/tiny_moe`` (and tiny test models).
+"""Train the embedded MoE models that ship in ``data/`` (and tiny test models).
 
-What it is: a seeded, CPU-friendly trainer for a ``Qwen2MoeForCausalLM`` (the architecture of
-Qwen1.5-MoE, the paper's model) on the project's public-domain corpus, with a byte-level BPE
-tokenizer trained on the same corpus and a **per-layer** load-balancing loss.
+What it is: a seeded, CPU-friendly trainer for two of transformers' own MoE classes on the
+project's public-domain corpus, with a byte-level BPE tokenizer trained on the same corpus, a
+**per-layer** load-balancing loss, and the weights of the best held-out loss kept:
+
+* ``tiny`` -> ``data/tiny_moe``: ``Qwen2MoeForCausalLM`` shaped like Qwen1.5-MoE (the paper's model):
+  32 experts, top-4, one gated shared expert, every layer MoE.
+* ``tiny_deepseek`` -> ``data/tiny_deepseek``: ``DeepseekV2ForCausalLM`` shaped like DeepSeek-V2-Lite:
+  64 fine-grained experts, top-6, two shared experts, the first layer dense, MLA attention.
+
 What it is not: a general trainer. It never downloads anything.
 
-    python -m fate_lab train --minutes 75          # the shipped model
+    python -m fate_lab train --minutes 60                         # the default model
+    python -m fate_lab train --preset tiny_deepseek --minutes 60  # the second embedded model
     python -m fate_lab train --preset smoke --steps 20 --out /tmp/m   # a quick check
 """
 from __future__ import annotations
@@ -31,6 +38,7 @@ EOS = "<|endoftext|>"
 class TrainConfig:
     """Model shape and optimisation settings; presets by name via ``TrainConfig.preset``."""
 
+    architecture: str = "qwen2_moe"  # or "deepseek_v2"
     vocab_size: int = 8192  # byte-level BPE trained on the corpus
     hidden_size: int = 256
     num_layers: int = 8  # enough depth for shallow-vs-deep routing to differ
@@ -39,6 +47,10 @@ class TrainConfig:
     top_k: int = 4
     moe_intermediate_size: int = 128
     shared_expert_intermediate_size: int = 512  # Qwen1.5-MoE: shared expert = 4 routed experts
+    num_shared_experts: int = 1  # deepseek_v2: shared experts, each of width moe_intermediate_size
+    first_dense_layers: int = 0  # deepseek_v2: leading layers with a dense MLP (first_k_dense_replace)
+    dense_intermediate_size: int = 512  # width of those dense MLPs
+    kv_lora_rank: int = 128  # deepseek_v2 MLA: compressed KV width
     norm_topk_prob: bool = False  # Qwen1.5-MoE does not renormalise the top-k weights
     seq_len: int = 256
     batch_size: int = 8
@@ -46,7 +58,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    balance_coef: float = 0.01  # per-layer Switch-style balancing term
+    balance_coef: float = 0.03  # per-layer Switch-style balancing term (0.01 left layer 0 with cold experts)
     z_loss_coef: float = 1e-3  # keeps router logits small (ST-MoE)
     steps: int = 3000
     minutes: float | None = None  # stop early when the wall-clock budget is spent
@@ -60,10 +72,19 @@ class TrainConfig:
         """A named configuration (``tiny``: the shipped model; ``smoke``: seconds-long tests)."""
         presets = {
             "tiny": TrainConfig(),
+            "tiny_deepseek": TrainConfig(
+                architecture="deepseek_v2", num_experts=64, top_k=6, moe_intermediate_size=64,
+                num_shared_experts=2, first_dense_layers=1, dense_intermediate_size=512,
+            ),
             "smoke": TrainConfig(
                 vocab_size=512, hidden_size=64, num_layers=4, num_experts=8, top_k=2,
                 moe_intermediate_size=32, shared_expert_intermediate_size=64, seq_len=64,
                 batch_size=4, warmup_steps=2, steps=20, eval_every=10, eval_batches=2,
+            ),
+            "smoke_deepseek": TrainConfig(
+                architecture="deepseek_v2", vocab_size=512, hidden_size=64, num_layers=3, num_experts=8, top_k=3,
+                moe_intermediate_size=16, num_shared_experts=2, first_dense_layers=1, dense_intermediate_size=64,
+                kv_lora_rank=32, seq_len=64, batch_size=4, warmup_steps=2, steps=20, eval_every=10, eval_batches=2,
             ),
         }
         if name not in presets:
@@ -88,18 +109,55 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 
 def model_config(cfg: TrainConfig, vocab_size: int):
-    """The ``Qwen2MoeConfig`` for a training configuration."""
-    from transformers import Qwen2MoeConfig
-
-    return Qwen2MoeConfig(
+    """The transformers config (``Qwen2MoeConfig`` or ``DeepseekV2Config``) for a training configuration."""
+    common = dict(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-        intermediate_size=cfg.shared_expert_intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
-        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
-        max_position_embeddings=max(1024, cfg.seq_len), tie_word_embeddings=True, rope_theta=10000.0,
-        output_router_logits=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        moe_intermediate_size=cfg.moe_intermediate_size, num_experts_per_tok=cfg.top_k,
+        norm_topk_prob=cfg.norm_topk_prob, max_position_embeddings=max(1024, cfg.seq_len), tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )
+    if cfg.architecture == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        if cfg.first_dense_layers:
+            raise ValueError("first_dense_layers is a deepseek_v2 setting; the qwen2_moe preset has MoE in every layer")
+        return Qwen2MoeConfig(
+            **common, intermediate_size=cfg.shared_expert_intermediate_size,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, num_experts=cfg.num_experts,
+            decoder_sparse_step=1, rope_theta=10000.0, output_router_logits=False,
+        )
+    if cfg.architecture == "deepseek_v2":
+        from transformers import DeepseekV2Config
+
+        head = cfg.hidden_size // cfg.num_heads
+        return DeepseekV2Config(
+            **common, intermediate_size=cfg.dense_intermediate_size, n_routed_experts=cfg.num_experts,
+            n_shared_experts=cfg.num_shared_experts, first_k_dense_replace=cfg.first_dense_layers,
+            topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+            kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=head // 4,
+            qk_nope_head_dim=head - head // 4, v_head_dim=head, head_dim=head // 4,
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        )
+    raise ValueError(f"unknown architecture {cfg.architecture!r}; choose 'qwen2_moe' or 'deepseek_v2'")
+
+
+def build_model(cfg: TrainConfig, vocab_size: int):
+    """A freshly initialised model for ``cfg`` (routers drawn like every other matrix, never all-zero)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(model_config(cfg, vocab_size))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") and p.dim() == 2 and not p.any():
+                p.normal_(0.0, model.config.initializer_range)  # DeepSeek's router starts at zeros
+    model.set_experts_implementation("grouped_mm")
+    return model
+
+
+def moe_layer_indices(model) -> list[int]:
+    """Decoder layers that route (the order of ``output_router_logits``)."""
+    return [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
 
 
 def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
@@ -138,28 +196,36 @@ def _batches(stream: torch.Tensor, cfg: TrainConfig, gen: torch.Generator):
 
 
 @torch.no_grad()
-def evaluate(model, stream: torch.Tensor, cfg: TrainConfig) -> float:
-    """Mean next-token cross-entropy over fixed, non-overlapping windows of ``stream``."""
+def evaluate(model, stream: torch.Tensor, cfg: TrainConfig, windows: int | None = -1) -> float:
+    """Mean next-token cross-entropy over fixed, non-overlapping windows of ``stream``: ``windows`` of them
+    (-1: ``cfg.eval_batches`` batches, the periodic check; None: every window, the final number)."""
+    if windows == -1:
+        windows = cfg.eval_batches * cfg.batch_size
     model.eval()
     T = cfg.seq_len
-    n_windows = min(cfg.eval_batches * cfg.batch_size, (stream.numel() - 1) // T)
+    total = (stream.numel() - 1) // T
+    n_windows = total if windows is None else min(windows, total)
+    # windows spread evenly over the whole stream: a prefix would be one source of the corpus only
+    picks = torch.linspace(0, total - 1, n_windows).round().long().tolist()
     losses = []
     for i in range(0, n_windows, cfg.batch_size):
-        idx = range(i, min(i + cfg.batch_size, n_windows))
+        idx = picks[i : i + cfg.batch_size]
         x = torch.stack([stream[j * T : j * T + T + 1] for j in idx])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = model(input_ids=x[:, :-1]).logits
-        losses.append(F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()).item())
+        losses.append(F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()).item() * len(idx))
     model.train()
-    return sum(losses) / len(losses)
+    return sum(losses) / n_windows
 
 
 @torch.no_grad()
-def expert_load(model, stream: torch.Tensor, tokens: int = 16384, seq_len: int = 256) -> list[list[float]]:
-    """Share of routed assignments each expert receives, per MoE layer, on ``tokens`` tokens."""
+def expert_load(model, stream: torch.Tensor, tokens: int | None = None, seq_len: int = 256) -> list[list[float]]:
+    """Share of routed assignments each expert receives, per MoE layer, on the first ``tokens`` tokens
+    of ``stream`` (None: all of it; the held-out split interleaves no sources, so a prefix would
+    measure one source only)."""
     model.eval()
     counts = None
-    n = min(tokens // seq_len, (stream.numel() - 1) // seq_len)
+    n = (stream.numel() - 1) // seq_len if tokens is None else min(tokens // seq_len, (stream.numel() - 1) // seq_len)
     for i in range(n):
         x = stream[i * seq_len : (i + 1) * seq_len][None]
         out = model(input_ids=x, output_router_logits=True)
@@ -194,9 +260,8 @@ def cosine_schedule(cfg, t_start: float):
 
 
 def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> dict:
-    """Train tokenizer + model, save safetensors (bf16), config, tokenizer and a model card."""
-    from transformers import Qwen2MoeForCausalLM
-
+    """Train tokenizer + model, save safetensors (bf16) of the best held-out loss, config, tokenizer and
+    a model card."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     t_start = time.time()
@@ -207,9 +272,7 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
     train_ids = _token_stream(tokenizer, train_texts)
     val_ids = _token_stream(tokenizer, val_texts)
 
-    mcfg = model_config(cfg, len(tokenizer))
-    model = Qwen2MoeForCausalLM(mcfg)
-    model.set_experts_implementation("grouped_mm")
+    model = build_model(cfg, len(tokenizer))
     n_params = sum(p.numel() for p in model.parameters())
     opt = adamw(model, cfg)
     lr_at = cosine_schedule(cfg, t_start)
@@ -217,6 +280,7 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
     gen = torch.Generator().manual_seed(cfg.seed)
     batches = _batches(train_ids, cfg, gen)
     history = []
+    best = None  # (val_ce, step, state_dict) of the best held-out loss so far
     first_ce = None
     model.train()
     bar = tqdm(range(cfg.steps), desc="train", unit="step")
@@ -237,19 +301,23 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
         opt.step()
         first_ce = ce.item() if first_ce is None else first_ce
         bar.set_postfix(ce=f"{ce.item():.3f}", bal=f"{bal.item():.3f}")
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+        out_of_time = cfg.minutes is not None and time.time() - t_start > cfg.minutes * 60
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or out_of_time:
             history.append({"step": step + 1, "train_ce": ce.item(), "val_ce": evaluate(model, val_ids, cfg),
                             "balance": bal.item(), "minutes": (time.time() - t_start) / 60})
             bar.write(json.dumps(history[-1]))
-        if cfg.minutes is not None and time.time() - t_start > cfg.minutes * 60:
-            history.append({"step": step + 1, "train_ce": ce.item(), "val_ce": evaluate(model, val_ids, cfg),
-                            "balance": bal.item(), "minutes": (time.time() - t_start) / 60})
+            if best is None or history[-1]["val_ce"] < best[0]:
+                best = (history[-1]["val_ce"], step + 1, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        if out_of_time:
             break
     steps_done = step + 1
     wall = time.time() - t_start
+    if best is not None and best[1] != steps_done:  # stop at the best held-out loss
+        model.load_state_dict(best[2])
+    best_step = best[1] if best is not None else steps_done
 
-    train_ce = evaluate(model, train_ids, cfg)
-    val_ce = evaluate(model, val_ids, cfg)
+    train_ce = evaluate(model, train_ids, cfg, windows=len(val_ids) // cfg.seq_len)  # as many tokens as held-out
+    val_ce = evaluate(model, val_ids, cfg, windows=None)
     load = expert_load(model, val_ids, seq_len=cfg.seq_len)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model.to(torch.bfloat16)
@@ -259,16 +327,16 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
     E = cfg.num_experts
     load_summary = [
         {"layer": i, "cold_experts(<0.25x uniform)": sum(s < 0.25 / E for s in row),
-         "busiest_vs_uniform": round(max(row) * E, 2)}
-        for i, row in enumerate(load)
+         "quietest_vs_uniform": round(min(row) * E, 2), "busiest_vs_uniform": round(max(row) * E, 2)}
+        for i, row in zip(moe_layer_indices(model), load)
     ]
     card = {
-        "architecture": "Qwen2MoeForCausalLM",
+        "architecture": type(model).__name__,
         "parameters": n_params,
         "train_config": asdict(cfg),
         "corpus": str(corpus_file.name),
         "train_tokens": train_ids.numel(), "val_tokens": val_ids.numel(),
-        "steps": steps_done, "tokens_seen": steps_done * cfg.batch_size * cfg.seq_len,
+        "steps": steps_done, "best_step": best_step, "tokens_seen": steps_done * cfg.batch_size * cfg.seq_len,
         "wall_minutes": round(wall / 60, 1),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "first_step_loss": round(first_ce, 4), "train_loss": round(train_ce, 4), "val_loss": round(val_ce, 4),
@@ -283,23 +351,37 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
 
 def _write_model_card(out_dir: Path, card: dict) -> None:
     c = card["train_config"]
+    if c.get("architecture", "qwen2_moe") == "deepseek_v2":
+        title, cmd = "fate_lab tiny DeepSeek-V2-shaped MoE", "python -m fate_lab train --preset tiny_deepseek"
+        shape = (f"{c['num_layers']} layers (the first {c['first_dense_layers']} dense, MLP width "
+                 f"{c['dense_intermediate_size']}), hidden {c['hidden_size']}, MLA attention (KV rank "
+                 f"{c['kv_lora_rank']}), {c['num_experts']} routed experts of width {c['moe_intermediate_size']}, "
+                 f"top-{c['top_k']} (softmax, greedy, not renormalised), {c['num_shared_experts']} shared experts "
+                 f"of width {c['moe_intermediate_size']}")
+    else:
+        title, cmd = "fate_lab tiny MoE", "python -m fate_lab train"
+        shape = (f"{c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_experts']} routed experts of width "
+                 f"{c['moe_intermediate_size']}, top-{c['top_k']}, one shared expert of width "
+                 f"{c['shared_expert_intermediate_size']}")
+    size_mb = sum(f.stat().st_size for f in out_dir.glob("*.safetensors")) / 1e6
     lines = [
-        "# fate_lab tiny MoE", "",
-        "Trained by `python -m fate_lab train` (fate_lab/train.py) on `data/corpus` "
-        "(World English Bible, Jargon File, Devil's Dictionary; public domain; see data/corpus/SOURCES.md).", "",
-        f"- Architecture: `Qwen2MoeForCausalLM`, {card['parameters'] / 1e6:.1f}M parameters: {c['num_layers']} layers, "
-        f"hidden {c['hidden_size']}, {c['num_experts']} routed experts of width {c['moe_intermediate_size']}, "
-        f"top-{c['top_k']}, one shared expert of width {c['shared_expert_intermediate_size']}, "
-        f"byte-level BPE vocab {c['vocab_size']}.",
+        f"# {title}", "",
+        f"Trained by `{cmd}` (fate_lab/model/train.py) on `data/corpus` (public-domain texts from Debian "
+        "packages; see data/corpus/SOURCES.md).", "",
+        f"- Architecture: `{card['architecture']}`, {card['parameters'] / 1e6:.1f}M parameters "
+        f"({size_mb:.1f} MB of bf16 safetensors): {shape}, byte-level BPE vocab {c['vocab_size']}.",
         f"- Training: {card['steps']} steps x {c['batch_size']} x {c['seq_len']} tokens = {card['tokens_seen']:,} tokens "
         f"(corpus: {card['train_tokens']:,} train / {card['val_tokens']:,} held-out tokens), "
-        f"{card['wall_minutes']} min on {card['machine']}, bf16 autocast, seed {c['seed']}.",
+        f"{card['wall_minutes']} min on {card['machine']}, bf16 autocast, seed {c['seed']}; the weights are those "
+        f"of step {card.get('best_step', card['steps'])}, the best held-out loss.",
         f"- Loss: train {card['train_loss']} (ppl {card['train_perplexity']}), "
         f"held-out {card['val_loss']} (ppl {card['val_perplexity']}).",
         f"- Balancing: per-layer Switch loss x {c['balance_coef']}, router z-loss x {c['z_loss_coef']}.", "",
-        "## Expert load per layer (held-out text, share of top-k assignments)", "",
-        "| layer | cold experts (< 1/4 of uniform) | busiest expert vs uniform |", "|---|---|---|",
+        "## Expert load per MoE layer (whole held-out split, share of top-k assignments)", "",
+        "| layer | cold experts (< 1/4 of uniform) | quietest expert vs uniform | busiest expert vs uniform |",
+        "|---|---|---|---|",
     ]
     for row in card["expert_load"]:
-        lines.append(f"| {row['layer']} | {row['cold_experts(<0.25x uniform)']} | {row['busiest_vs_uniform']}x |")
+        lines.append(f"| {row['layer']} | {row['cold_experts(<0.25x uniform)']} | "
+                     f"{row.get('quietest_vs_uniform', '')}x | {row['busiest_vs_uniform']}x |")
     (out_dir / "MODEL_CARD.md").write_text("\n".join(lines) + "\n")

@@ -17,9 +17,15 @@ from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor
 PREDICTORS = (None, "cross_layer_gate", "activation_path", "learned_gate")
 
 
+def model_source(model) -> str:
+    """The folder a loaded model came from ('' for one built in memory): its probes and tables live there."""
+    return str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+
+
 def build_predictor(config: OffloadConfig, num_layers: int, num_experts: int, hidden_size: int,
-                    top_k: int) -> Predictor | None:
-    """The predictor of a config (runtime and simulator alike); "learned_gate" loads and checks the probes."""
+                    top_k: int, model_dir: str | None = None) -> Predictor | None:
+    """The predictor of a config (runtime and simulator alike); "learned_gate" loads and checks the probes,
+    from ``config.probes`` or else from ``model_dir`` (the folder of the model being run)."""
     p = config.predictor
     if p is None:
         return None
@@ -30,7 +36,7 @@ def build_predictor(config: OffloadConfig, num_layers: int, num_experts: int, hi
     if p == "learned_gate":
         from fate_lab.policy.learned import LearnedGate, load_probes
 
-        probes = load_probes(config.probes)
+        probes = load_probes(config.probes or model_dir)
         probes.check(num_layers, num_experts, hidden_size)
         return LearnedGate(probes)
     raise ValueError(f"unknown predictor {p!r}; choose one of {list(PREDICTORS)}")
@@ -47,15 +53,17 @@ def predictor_scores(predictor: Predictor | None, m: int, gate_input: torch.Tens
     return None
 
 
-def build_miss_policy(config: OffloadConfig, num_layers: int, num_experts: int) -> MissPolicy | None:
-    """The lossy decode rule of a config (None: lossless); substitute loads the similarity table and checks it."""
+def build_miss_policy(config: OffloadConfig, num_layers: int, num_experts: int,
+                      model_dir: str | None = None) -> MissPolicy | None:
+    """The lossy decode rule of a config (None: lossless); substitute loads the similarity table (from
+    ``config.similarity`` or else ``model_dir``, the folder of the model being run) and checks it."""
     if config.lossy is None:
         return None
     table = None
     if config.lossy == "substitute":
         from fate_lab.policy.similarity import load_similarity
 
-        table = load_similarity(config.similarity)
+        table = load_similarity(config.similarity or model_dir)
         if (table.num_layers, table.num_experts) != (num_layers, num_experts):
             raise ValueError(f"the expert similarity table is for {table.num_layers} MoE layers x {table.num_experts} "
                              f"experts, the model has {num_layers} x {num_experts}: compute one for this model "

@@ -24,7 +24,7 @@ class OffloadConfig:
     # or a links.REAL_SETUPS key for the scaled mode
     predictor: str | None = "cross_layer_gate"  # None | "cross_layer_gate" | "activation_path" | "learned_gate"
     probes: str | None = None  # predictor="learned_gate": the model folder keeping probes.safetensors
-    # (python -m fate_lab.policy.learned --fit); None: the embedded model's
+    # (python -m fate_lab.policy.learned --fit); None: the folder of the model being run
     rule: SelectionRule | None = Percentile(75.0)  # cross-layer gate rule; None: TopK(model top_k)
     allocation: str = "shallow"  # allocation.ALLOCATIONS key
     miss_curves: tuple | None = None  # allocation="miss_curve": curves[l][c] misses of layer l with c slots;
@@ -66,7 +66,7 @@ class OffloadConfig:
     standin_window: int = 4  # standin: a miss recurring within this many decode calls of its layer after a
     # low-precision use is loaded at full precision; otherwise it computes from the resident INT2 copy
     similarity: str | None = None  # substitute: the model folder keeping expert_similarity.safetensors
-    # (python -m fate_lab.policy.similarity --model DIR); None: the embedded model's
+    # (python -m fate_lab.policy.similarity --model DIR); None: the folder of the model being run
     host_profile: str = "desktop_ddr4"  # host.HOST_PROFILES key: the CPU whose time a host call takes
     # (emulated on a CPU-only machine: the expert really computes, then the call holds for that time)
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from fate_lab.model.adapters import MoEAdapter, adapt
 from fate_lab.offloading import hookup
-from fate_lab.offloading.builders import build_miss_policy, build_predictor, predictor_scores
+from fate_lab.offloading.builders import build_miss_policy, build_predictor, model_source, predictor_scores
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, EngineLink
 from fate_lab.offloading.hookup import StepwiseForward  # public here too, as the first version had it
@@ -168,7 +168,7 @@ class Runtime:
                                               2 * (gu[0] * gu[1] + dn[0] * dn[1]), self.layer_compute_s)
             placement = HostPlacement(config.host, host_layer_set(config.host, config.host_layers, M), self.host_time,
                                       0.0 if self.link is None else self.link.transfer_time(self.expert_bytes))
-        self.miss_policy = build_miss_policy(config, M, self.num_experts)
+        self.miss_policy = build_miss_policy(config, M, self.num_experts, model_source(model) or None)
         self.standin: list[list[PackedExpert]] | None = None
         if config.lossy == "standin":  # HOBBIT: every expert's INT2 copy moves to the device once, up front
             def packed(m: int, e: int) -> PackedExpert:
@@ -234,7 +234,8 @@ class Runtime:
 
     def _build_predictor(self) -> Predictor | None:
         a = self.adapter
-        return build_predictor(self.config, a.num_moe_layers, a.num_experts, a.hidden_size, self.top_k)
+        return build_predictor(self.config, a.num_moe_layers, a.num_experts, a.hidden_size, self.top_k,
+                               model_source(self.model) or None)
 
     def _build_engine(self) -> TransferEngine:
         if self.link is None:

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from fate_lab.model.trace import DECODE, PREFILL, Trace
 from fate_lab.model.trace import cross_layer_scores as trace_cross_layer_scores
-from fate_lab.paths import TINY_MOE_DIR
+from fate_lab.paths import model_dir as _model_dir
 from fate_lab.policy.predictors import CrossLayerGate, Percentile, SelectionRule, evaluate_rule, next_layer_scores
 
 PROBES_FILE = "probes.safetensors"
@@ -218,7 +218,7 @@ class ProbeSet:
 
 def probes_path(model_dir: str | Path | None = None) -> Path:
     """Where a model folder keeps its probes (None: the embedded tiny MoE)."""
-    return Path(model_dir or TINY_MOE_DIR) / PROBES_FILE
+    return _model_dir(model_dir) / PROBES_FILE
 
 
 def load_probes(model_dir: str | Path | None = None) -> ProbeSet:
@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> None:
     """``--fit``: record training-split text, fit, tune on the calib split, save beside the model; then compare."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fit", action="store_true", help="fit and save the probes (else: compare the saved ones)")
-    p.add_argument("--model", default=None, help="local HF MoE checkpoint folder (default: embedded data/tiny_moe)")
+    p.add_argument("--model", default=None, help="embedded model name (tiny_moe, tiny_deepseek) or local HF MoE checkpoint folder (default: tiny_moe)")
     p.add_argument("--prompts", type=int, default=320, help="training-split prompts to prefill and decode")
     p.add_argument("--decode-tokens", type=int, default=48, help="greedy decode steps per such prompt")
     p.add_argument("--prefill-prompts", type=int, default=2560, help="further training-split prompts, prefill only")

@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 
 from fate_lab.model.adapters import adapt
 from fate_lab.model.trace import Trace
-from fate_lab.paths import TINY_MOE_DIR
+from fate_lab.paths import model_dir as _model_dir
 
 SIMILARITY_FILE = "expert_similarity.safetensors"
 FORMAT_VERSION = 1
@@ -145,7 +145,7 @@ class ExpertSimilarity:
 
 def similarity_path(model_dir: str | Path | None = None) -> Path:
     """Where a model folder keeps its expert similarity (None: the embedded tiny MoE)."""
-    return Path(model_dir or TINY_MOE_DIR) / SIMILARITY_FILE
+    return _model_dir(model_dir) / SIMILARITY_FILE
 
 
 def load_similarity(model_dir: str | Path | None = None) -> ExpertSimilarity:
@@ -380,7 +380,7 @@ def _print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Compute a model's expert similarity on its calib trace, save it beside the model, print the check."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="local HF MoE checkpoint folder (default: embedded data/tiny_moe)")
+    p.add_argument("--model", default=None, help="embedded model name (tiny_moe, tiny_deepseek) or local HF MoE checkpoint folder (default: tiny_moe)")
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="calibration tokens (evenly spaced rows)")
     p.add_argument("--floor", type=float, default=FLOOR, help="weight of tokens not routed to the expert")
     p.add_argument("--out", default=None, help="output .safetensors (default: <model>/" + SIMILARITY_FILE + ")")

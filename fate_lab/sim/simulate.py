@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from fate_lab.model.trace import PREFILL, Trace
-from fate_lab.offloading.builders import build_miss_policy, build_predictor, predictor_scores
+from fate_lab.offloading.builders import build_miss_policy, build_predictor, model_source, predictor_scores
 from fate_lab.offloading.config import OffloadConfig
 from fate_lab.offloading.engine_link import STALL_MIN_S, WINDOW_EMA, link_capacity, spec_label
 from fate_lab.offloading.host import HostTime, host_profile
@@ -156,6 +156,9 @@ class ModelShape:
     dense_bytes: int
     kv_bytes_per_token: int
     scoring: str = "softmax"
+    # the model's folder: where a learned predictor's probes and a substitute's similarity table are
+    # looked up when the config names no other folder (as the runtime does with the model it runs)
+    source: str = ""
 
     @classmethod
     def from_adapter(cls, adapter) -> "ModelShape":
@@ -164,7 +167,7 @@ class ModelShape:
                    adapter.num_experts, adapter.top_k, adapter.hidden_size, adapter.expert_intermediate_size,
                    adapter.experts_module(0).gate_up_proj.dtype if adapter.experts_module(0).gate_up_proj.numel()
                    else adapter.model.dtype, adapter.dense_bytes(), adapter.kv_bytes_per_token(),
-                   adapter.router_spec.scoring)
+                   adapter.router_spec.scoring, model_source(adapter.model))
 
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
         """gate_up (2I, H) and down (H, I)."""
@@ -325,12 +328,13 @@ class _Sim:
             self.host_time = hardware.host_time(config.host_profile, shape)
             placement = HostPlacement(config.host, host_layer_set(config.host, config.host_layers, M), self.host_time,
                                       0.0 if hardware.link is None else hardware.link.transfer_time(shape.nbytes(None)))
-        self.miss_policy = build_miss_policy(config, M, shape.num_experts)
+        self.miss_policy = build_miss_policy(config, M, shape.num_experts, shape.source or None)
         self.cache = ExpertCache(self.slots_per_layer, lambda m, c: policy_from_name(config.replacement, c),
                                  shape.top_k, buffers, self.link, self.stats.layers, cache=config.cache,
                                  admit_on_use=config.admit_prefetch == "on_use",
                                  link_budget=config.prefetch_budget == "link", placement=placement)
-        self.predictor: Predictor | None = build_predictor(config, M, shape.num_experts, shape.hidden, shape.top_k)
+        self.predictor: Predictor | None = build_predictor(config, M, shape.num_experts, shape.hidden, shape.top_k,
+                                                                  shape.source or None)
         self.now, self.phase = 0.0, "prefill"
         self.window_s: dict[str, float] = {}
         self._stall_in_forward = 0.0

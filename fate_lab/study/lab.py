@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fate_lab.paths import DATA_DIR, TINY_MOE_DIR
+from fate_lab.paths import DATA_DIR, model_dir
 
 CACHE_DIR = DATA_DIR.parent / "results" / "cache"
 
@@ -44,8 +44,9 @@ def fast_mode(FAST: bool) -> bool:
 
 
 def model_path(model: str | Path | None) -> Path:
-    """The model folder a notebook's ``MODEL`` parameter names ('' or None: the embedded tiny MoE)."""
-    return Path(model) if model else TINY_MOE_DIR
+    """The model folder a notebook's ``MODEL`` parameter names: '' or None -> the default embedded model,
+    ``"tiny_moe"`` / ``"tiny_deepseek"`` -> that embedded model, anything else -> a local checkpoint folder."""
+    return model_dir(model)
 
 
 def load(model: str | Path | None = None, dtype: str = "float32"):
@@ -96,6 +97,29 @@ def get_trace(model: str | Path | None = None, fast: bool = False, cache: bool =
     return trace
 
 
+def presets_for(model: str | Path | None, names) -> list[str]:
+    """The presets of ``names`` the model can run. A preset that needs a file the model's folder lacks
+    (``fate_learned``: the learned probes; ``substitute``: the expert similarity table) is left out,
+    and named with the command that makes the file: nothing is swapped for something else silently."""
+    from fate_lab.offloading.config import OffloadConfig
+    from fate_lab.policy.learned import PROBES_FILE
+    from fate_lab.policy.similarity import SIMILARITY_FILE
+
+    folder = model_path(model)
+    keep, skipped = [], []
+    for name in names:
+        cfg = OffloadConfig.preset(name)
+        if cfg.predictor == "learned_gate" and cfg.probes is None and not (folder / PROBES_FILE).is_file():
+            skipped.append(f"{name} (no {PROBES_FILE}: python -m fate_lab.policy.learned --fit --model {folder})")
+        elif cfg.lossy == "substitute" and cfg.similarity is None and not (folder / SIMILARITY_FILE).is_file():
+            skipped.append(f"{name} (no {SIMILARITY_FILE}: python -m fate_lab.policy.similarity --model {folder})")
+        else:
+            keep.append(name)
+    if skipped:
+        print(f"left out for {folder.name}: " + "; ".join(skipped))
+    return keep
+
+
 class PaperTable(pd.DataFrame):
     """A DataFrame whose text and HTML displays keep every cell's full text.
 
@@ -113,6 +137,14 @@ class PaperTable(pd.DataFrame):
     def _repr_html_(self) -> str | None:
         with pd.option_context("display.max_colwidth", None):
             return super()._repr_html_()
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        # the rows as data too, under a vendor type no front end renders (they show the HTML): the main
+        # job reads them back from the executed notebooks to put the models' columns side by side
+        return {TABLE_MIME: {"columns": [str(c) for c in self.columns], "rows": self.astype(str).values.tolist()}}
+
+
+TABLE_MIME = "application/vnd.fate-lab.paper-table+json"
 
 
 def paper_table(rows: list[tuple[str, str, str, str]]) -> PaperTable:
