@@ -338,7 +338,7 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
         "train_tokens": train_ids.numel(), "val_tokens": val_ids.numel(),
         "steps": steps_done, "best_step": best_step, "tokens_seen": steps_done * cfg.batch_size * cfg.seq_len,
         "wall_minutes": round(wall / 60, 1),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {_threads()}, torch {torch.__version__}",
         "first_step_loss": round(first_ce, 4), "train_loss": round(train_ce, 4), "val_loss": round(val_ce, 4),
         "train_perplexity": round(math.exp(train_ce), 2), "val_perplexity": round(math.exp(val_ce), 2),
         "expert_load": load_summary, "expert_load_shares": load,
@@ -385,3 +385,8 @@ def _write_model_card(out_dir: Path, card: dict) -> None:
         lines.append(f"| {row['layer']} | {row['cold_experts(<0.25x uniform)']} | "
                      f"{row.get('quietest_vs_uniform', '')}x | {row['busiest_vs_uniform']}x |")
     (out_dir / "MODEL_CARD.md").write_text("\n".join(lines) + "\n")
+
+
+def _threads() -> str:
+    n = torch.get_num_threads()
+    return f"{n} thread" + ("s" if n != 1 else "")
