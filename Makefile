@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)  ## create .venv and install fate_lab with notebook + test extras
 
-main: setup  ## the main job on the embedded model: reproduce the figures and tables into results/
+main: setup  ## the main job on both embedded models: every notebook into results/<model>/, tables side by side
 	$(BIN)/python -m fate_lab main --out results
 
 test: setup  ## the whole test suite (notebooks run in FAST mode)

@@ -74,3 +74,10 @@ def test_the_deepseek_preset_trains_a_dense_first_layer_model_that_loads(tmp_pat
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ValueError, match="smoke"):
         TrainConfig.preset("huge")
+
+
+def test_a_test_preset_never_overwrites_an_embedded_model_by_default():
+    from fate_lab.cli import main
+
+    with pytest.raises(SystemExit, match="--out is required for the 'smoke' preset"):
+        main(["train", "--preset", "smoke", "--steps", "1"])
