@@ -35,7 +35,7 @@ def _cmd_trace(args: argparse.Namespace) -> None:
 def _cmd_main(args: argparse.Namespace) -> None:
     from fate_lab.mainjob import run_main
 
-    run_main(Path(args.out), models=args.model, fast=args.fast)
+    run_main(Path(args.out), models=args.model, fast=args.fast, tables_only=args.tables_only)
 
 
 def _cmd_check_notebooks(args: argparse.Namespace) -> None:
@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
                    "repeat for several (default: every embedded model, tiny_moe and tiny_deepseek)")
     m.add_argument("--out", default="results")
     m.add_argument("--fast", action="store_true", help="small token counts (what the tests run)")
+    m.add_argument("--tables-only", action="store_true",
+                   help="run nothing: rebuild the side-by-side tables from the notebooks already in --out/<model>")
     m.set_defaults(func=_cmd_main)
     c = sub.add_parser("check-notebooks", help="fail if a notebook keeps outputs or widget state")
     c.add_argument("folder", nargs="?", default="notebooks")

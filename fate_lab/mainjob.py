@@ -87,9 +87,11 @@ def markdown(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def run_main(out: Path, models: list[str] | None = None, fast: bool = False) -> Path:
+def run_main(out: Path, models: list[str] | None = None, fast: bool = False, tables_only: bool = False) -> Path:
     """Execute every notebook for each model into ``out/<model>/notebooks``, then print each notebook's
-    paper-vs-ours table with a column per model; returns the markdown file holding those tables."""
+    paper-vs-ours table with a column per model; returns the markdown file holding those tables.
+    ``tables_only``: execute nothing, rebuild the tables from the notebooks already in ``out`` (after a
+    single notebook was rerun, for example)."""
     from fate_lab.paths import EMBEDDED_MODELS, model_name
     from fate_lab.study.notebooks import notebook_paths, run_notebook
 
@@ -103,6 +105,13 @@ def run_main(out: Path, models: list[str] | None = None, fast: bool = False) -> 
     done: dict[str, dict[str, Path]] = {}
     for model, name in zip(models, names):
         params = {"MODEL": "" if model is None else str(model), "FAST": fast}
+        if tables_only:
+            done[name] = {nb.stem: out / name / "notebooks" / nb.name for nb in nbs}
+            missing = [str(p) for p in done[name].values() if not p.is_file()]
+            if missing:
+                raise FileNotFoundError(f"no executed notebook {missing[0]} (and {len(missing) - 1} more): "
+                                        f"run `python -m fate_lab main` first")
+            continue
         done[name] = {}
         for nb in tqdm(nbs, desc=f"notebooks ({name})", unit="nb"):
             done[name][nb.stem] = run_notebook(nb, out / name / "notebooks", params)
@@ -116,8 +125,9 @@ def run_main(out: Path, models: list[str] | None = None, fast: bool = False) -> 
             print(f"- {r['quantity']}: paper {r['paper']} | {ours}  [{r['models']}]")
     summary = out / "paper_vs_ours.md"
     summary.write_text(f"# Paper vs ours, {', '.join(names)}\n\nWritten by `python -m fate_lab main`"
-                       f"{' --fast' if fast else ''}; executed notebooks in {out}/<model>/notebooks.\n\n"
-                       + "\n".join(sections))
-    print(f"\n[fate_lab] {len(nbs)} notebooks x {len(names)} model(s) ({', '.join(names)}) executed into "
-          f"{out}/<model>/notebooks in {time.time() - t0:.0f} s; tables side by side in {summary}")
+                       f"{' --fast' if fast else ''}{' --tables-only' if tables_only else ''}; executed notebooks "
+                       f"in {out}/<model>/notebooks.\n\n" + "\n".join(sections))
+    print(f"\n[fate_lab] {len(nbs)} notebooks x {len(names)} model(s) ({', '.join(names)}) "
+          f"{'read from' if tables_only else 'executed into'} {out}/<model>/notebooks in {time.time() - t0:.0f} s; "
+          f"tables side by side in {summary}")
     return summary

@@ -167,3 +167,10 @@ def test_paper_table_carries_its_rows_as_data_beside_the_html():
     assert "<table" in data["text/html"] and "close" in data["text/plain"]
     assert data[lab.TABLE_MIME] == {"columns": ["quantity", "paper (Qwen1.5-MoE)", "ours", "agreement"],
                                    "rows": [["q", "1%", "2%", "close"]]}
+
+
+def test_tables_only_refuses_a_folder_without_executed_notebooks(tmp_path):
+    from fate_lab.mainjob import run_main
+
+    with pytest.raises(FileNotFoundError, match="no executed notebook .*run `python -m fate_lab main` first"):
+        run_main(tmp_path, models=["tiny_moe"], tables_only=True)
