@@ -11,8 +11,8 @@ project's public-domain corpus, with a byte-level BPE tokenizer trained on the s
 
 What it is not: a general trainer. It never downloads anything.
 
-    python -m fate_lab train --minutes 60                         # the default model
-    python -m fate_lab train --preset tiny_deepseek --minutes 60  # the second embedded model
+    python -m fate_lab train --minutes 55                         # the default model
+    python -m fate_lab train --preset tiny_deepseek --minutes 55  # the second embedded model
     python -m fate_lab train --preset smoke --steps 20 --out /tmp/m   # a quick check
 """
 from __future__ import annotations
