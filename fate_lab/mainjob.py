@@ -21,15 +21,6 @@ def _last_code_outputs(path: Path) -> list[dict]:
     return code[-1].get("outputs", []) if code else []
 
 
-def final_text(path: Path) -> str:
-    """The plain-text form of an executed notebook's closing paper-vs-ours table."""
-    for o in _last_code_outputs(path):
-        text = o.get("data", {}).get("text/plain")
-        if text:
-            return "".join(text)
-    return "(no table)"
-
-
 def final_rows(path: Path) -> list[list[str]] | None:
     """The rows (quantity, paper, ours, agreement) of an executed notebook's closing table, or None."""
     from fate_lab.study.lab import TABLE_MIME

@@ -174,3 +174,12 @@ def test_tables_only_refuses_a_folder_without_executed_notebooks(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no executed notebook .*run `python -m fate_lab main` first"):
         run_main(tmp_path, models=["tiny_moe"], tables_only=True)
+
+
+def test_presets_whose_files_a_model_lacks_are_left_out_by_name(tmp_path, capsys):
+    # a folder with neither probes.safetensors nor expert_similarity.safetensors
+    kept = lab.presets_for(str(tmp_path), ["fate", "fate_learned", "substitute", "lru"])
+    assert kept == ["fate", "lru"]
+    said = capsys.readouterr().out
+    assert "fate_learned (no probes.safetensors" in said and "substitute (no expert_similarity.safetensors" in said
+    assert lab.presets_for("tiny_deepseek", ["fate_learned", "substitute"]) == ["fate_learned", "substitute"]
