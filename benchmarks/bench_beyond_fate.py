@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from fate_lab.offloading.config import OffloadConfig
+from fate_lab.core.config import OffloadConfig
 
 PRESETS = ["lru", "fate", "fate_learned", "host_compute", "static_host", "all_host"]
 

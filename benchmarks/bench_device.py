@@ -16,7 +16,7 @@ import time
 import torch
 
 from fate_lab.model.adapters import adapt
-from fate_lab.offloading.config import OffloadConfig
+from fate_lab.core.config import OffloadConfig
 from fate_lab.offloading.runtime import calibrate_layer_time, offload
 
 

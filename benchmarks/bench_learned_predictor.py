@@ -1,7 +1,7 @@
 """Learned cross-layer expert predictor vs Fate's 75th-percentile rule, on held-out text (issue 10).
 
 Loads the probes shipped with the embedded model (`data/tiny_moe/probes.safetensors`, made by
-`python -m fate_lab.policy.learned --fit`: trained on training-split text, thresholds tuned on the
+`python -m fate_lab.policy.probes --fit`: trained on training-split text, thresholds tuned on the
 calib split) and compares them on the eval split with `compare_with_percentile`: recall, precision
 and mean predicted-set size per phase and layer; the probes' set size at the percentile rule's
 recall (threshold per phase, and per layer); the host time per layer for one decode token. Two
@@ -23,19 +23,9 @@ import pandas as pd
 import torch
 
 from fate_lab.model.trace import DECODE, PREFILL, cross_layer_scores
-from fate_lab.policy.learned import (
-    PHASE_NAMES,
-    Threshold,
-    compare_with_percentile,
-    fit_probes,
-    load_probes,
-    percentile_recall,
-    probes_path,
-    threshold_for_recall,
-    training_trace,
-    tune_thresholds,
-)
-from fate_lab.policy.predictors import evaluate_rule
+from fate_lab.policy.probes import PHASE_NAMES, Threshold, load_probes, probes_path
+from fate_lab.fit.probes import compare_with_percentile, fit_probes, percentile_recall, threshold_for_recall, training_trace, tune_thresholds
+from fate_lab.policy.prediction_metrics import evaluate_rule
 
 VARIANTS = {"linear (logistic regression)": 0, "MLP 64": 64, "MLP 128": 128, "MLP 192 (shipped kind)": 192,
             "MLP 256": 256}

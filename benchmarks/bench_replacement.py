@@ -23,9 +23,11 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from fate_lab.model.adapters import adapt
-    from fate_lab.offloading.config import OffloadConfig
+    from fate_lab.core.config import OffloadConfig
     from fate_lab.sim.replay import replay
-    from fate_lab.sim.simulate import Hardware, ModelShape, simulate
+    from fate_lab.hardware.setups import Hardware
+    from fate_lab.core.shape import ModelShape
+    from fate_lab.sim.simulate import simulate
     from fate_lab.study.lab import get_trace, load
 
     t0 = time.time()

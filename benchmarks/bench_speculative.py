@@ -25,12 +25,13 @@ import time
 import torch
 
 from fate_lab.model.adapters import adapt
-from fate_lab.model.trace import record_trace
-from fate_lab.offloading.config import OffloadConfig
-from fate_lab.offloading.links import resolve_link
+from fate_lab.model.record import record_trace
+from fate_lab.core.config import OffloadConfig
+from fate_lab.hardware.setups import resolve_link
 from fate_lab.offloading.runtime import calibrate_layer_time
-from fate_lab.sim.calibrate import calibrate_compute
-from fate_lab.sim.simulate import Hardware, ModelShape
+from fate_lab.fit.calibrate import calibrate_compute
+from fate_lab.hardware.setups import Hardware
+from fate_lab.core.shape import ModelShape
 from fate_lab.sim.speculative import (
     break_even_acceptance,
     per_token_acceptance,

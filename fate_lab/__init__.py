@@ -6,6 +6,8 @@ Public entry points are imported lazily so ``import fate_lab`` stays fast:
     model, tok = fate_lab.load_model("tiny_deepseek")  # the second one, DeepSeek-V2-Lite-shaped
     trace = fate_lab.record_trace(model, tok, prompts, decode_tokens=64)
     rt = fate_lab.offload(model, fate_lab.OffloadConfig.preset("fate", budget=...))
+    stats = fate_lab.simulate(trace, config, fate_lab.Hardware.scaled("qwen15_moe_rtx3090_pcie3"), shape)
+    stats = fate_lab.replay(trace, config)      # runtime, simulator and replay all return a RunStats
 """
 from __future__ import annotations
 
@@ -17,14 +19,18 @@ _EXPORTS = {
     "load_model": "fate_lab.model.models",
     "adapt": "fate_lab.model.adapters",
     "Trace": "fate_lab.model.trace",
-    "record_trace": "fate_lab.model.trace",
+    "record_trace": "fate_lab.model.record",
     "from_routing_array": "fate_lab.model.trace",
     "offload": "fate_lab.offloading.runtime",
-    "OffloadConfig": "fate_lab.offloading.config",
+    "Runtime": "fate_lab.offloading.runtime",
+    "OffloadConfig": "fate_lab.core.config",
+    "ModelShape": "fate_lab.core.shape",
+    "RunStats": "fate_lab.policy.stats",
     "simulate": "fate_lab.sim.simulate",
-    "Hardware": "fate_lab.sim.simulate",
-    "ModelShape": "fate_lab.sim.simulate",
-    "calibrate_compute": "fate_lab.sim.calibrate",
+    "replay": "fate_lab.sim.replay",
+    "Hardware": "fate_lab.hardware.setups",
+    "SETUPS": "fate_lab.hardware.setups",
+    "calibrate_compute": "fate_lab.fit.calibrate",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,26 +1,37 @@
-"""Helpers the test files share (imported as `from conftest import ...`; pytest puts tests/ on the path)."""
-import torch
+"""Fixtures every test folder shares: tiny random models built once per session, embedded models loaded once."""
+import copy
+
+import pytest
+
+from fate_lab.model.testing import tiny_model
 
 
-def prompt_ids(vocab: int, n: int = 9, seed: int = 0) -> torch.Tensor:
-    """A seeded random prompt [1, n] of token ids in [1, vocab)."""
-    return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+@pytest.fixture(scope="session")
+def tiny_models():
+    """A factory: ``tiny_models(family, seed=0, **overrides)`` -> a fresh copy of a tiny random model of that
+    family (each distinct model is built once per session; every call gets its own copy to change freely)."""
+    built: dict = {}
+
+    def get(family: str, seed: int = 0, **kw):
+        key = (family, seed, tuple(sorted((k, repr(v)) for k, v in kw.items())))
+        if key not in built:
+            built[key] = tiny_model(family, seed=seed, **kw)
+        return copy.deepcopy(built[key])
+
+    return get
 
 
-def greedy(model, ids: torch.Tensor, n: int, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy `generate` of exactly n new tokens: (sequences [1, S], scores [n, 1, V])."""
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0, **kw)
-    return out.sequences, torch.stack(out.scores)  # (1, S), (n, 1, V)
+@pytest.fixture(scope="session")
+def embedded_model():
+    """A factory: ``embedded_model(name)`` -> (model, tokenizer) of an embedded model, loaded once per session;
+    the model is shared: a test that changes it must work on ``copy.deepcopy(model)``."""
+    from fate_lab.model.models import load_model
 
+    loaded: dict = {}
 
-def embedded_models() -> list:
-    """pytest params, one per embedded model (tiny_moe, tiny_deepseek); a model whose weights are absent is
-    skipped, named."""
-    import pytest
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = load_model(name)
+        return loaded[name]
 
-    from fate_lab.paths import EMBEDDED_MODELS
-
-    return [pytest.param(name, id=name, marks=pytest.mark.skipif(not (folder / "model.safetensors").is_file(),
-                                                                 reason=f"embedded model data/{name} not present"))
-            for name, folder in EMBEDDED_MODELS.items()]
+    return get

@@ -300,6 +300,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+OFFLOAD_MARK = "_fate_offloaded"  # the attribute a Runtime attaches to every experts module it serves
+
+
+def is_offloaded(model: nn.Module) -> bool:
+    """True if a fate_lab Runtime is attached to the model's experts right now."""
+    return any(hasattr(mod, OFFLOAD_MARK) for mod in model.modules())
+
+
 def adapt(model: nn.Module) -> MoEAdapter:
     """The MoEAdapter for an HF MoE model; ValueError for an unknown family or a non-MoE model."""
     family = getattr(getattr(model, "config", None), "model_type", None)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from fate_lab.model.adapters import MoEAdapter
+from fate_lab.model.adapters import OFFLOAD_MARK, MoEAdapter
 from fate_lab.offloading.store import HostStore
 
 IMPLEMENTATION = "fate_offload"
@@ -24,7 +24,7 @@ IMPLEMENTATION = "fate_offload"
 def _fate_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """Experts implementation registered as "fate_offload": defers to the runtime attached to the module."""
-    block = getattr(self, "_fate_offloaded", None)
+    block = getattr(self, OFFLOAD_MARK, None)
     if block is None:
         raise RuntimeError(
             "experts_implementation='fate_offload' is set but this experts module is not offloaded; "
@@ -52,18 +52,13 @@ def check_experts_module(mod: nn.Module) -> None:
             raise NotImplementedError(f"{type(mod).__name__}.{flag}={not want} is not supported by the runtime")
 
 
-def is_offloaded(model: nn.Module) -> bool:
-    """True if a runtime is attached to the model's experts right now."""
-    return any(hasattr(mod, "_fate_offloaded") for mod in model.modules())
-
-
 def attach(adapter: MoEAdapter, runtime: object) -> str:
     """Attach runtime to every experts module and switch the model to "fate_offload"; returns the previous
     implementation name (for `detach`)."""
     model = adapter.model
     prev = model.config._experts_implementation
     for m in range(adapter.num_moe_layers):
-        adapter.experts_module(m)._fate_offloaded = OffloadedExperts(m, runtime)
+        setattr(adapter.experts_module(m), OFFLOAD_MARK, OffloadedExperts(m, runtime))
     model.set_experts_implementation(IMPLEMENTATION)
     return prev
 
@@ -72,8 +67,8 @@ def detach(adapter: MoEAdapter, prev_impl: str | None) -> None:
     """Undo `attach`: the experts modules forget the runtime and the previous implementation returns."""
     for m in range(adapter.num_moe_layers):
         mod = adapter.experts_module(m)
-        if hasattr(mod, "_fate_offloaded"):
-            del mod._fate_offloaded
+        if hasattr(mod, OFFLOAD_MARK):
+            delattr(mod, OFFLOAD_MARK)
     if prev_impl is not None:
         adapter.model.set_experts_implementation(prev_impl)
 

@@ -18,7 +18,8 @@ import math
 import torch
 
 from fate_lab.offloading.store import ExpertTensors, HostStore, PackedExpert
-from fate_lab.quant import QuantizedTensor, QuantSpec, packed_nbytes
+from fate_lab.core.sizing import aligned, layout_bytes
+from fate_lab.quant import QuantSpec, QuantizedTensor, packed_nbytes
 
 
 class DeviceSlots:
@@ -88,13 +89,6 @@ class FullSlots(DeviceSlots):
         return self.gate_up[0].numel() * self.gate_up.element_size() + self.down[0].numel() * self.down.element_size()
 
 
-_ALIGN = 8  # bytes; every segment of a packed slot starts at a multiple (fp16/fp32/bf16 views stay aligned)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
 _SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -137,22 +131,11 @@ class PackedSlots(DeviceSlots):
         self.dtype = dtype
         self._layouts: dict[QuantSpec | None, dict] = {s: self._layout(s) for s in dict.fromkeys(specs)}
         self.slot_bytes = max(lay["bytes"] for lay in self._layouts.values())
+        assert self.slot_bytes == max(layout_bytes(gate_up_shape, down_shape, s, dtype) for s in self._layouts)
         self.pool = torch.empty(n_slots, self.slot_bytes, dtype=torch.uint8, device=device)  # (S, slot_bytes)
         self.gate_up_scratch = torch.empty(n_scratch, *gate_up_shape, dtype=dtype, device=device)  # (n, 2I, H)
         self.down_scratch = torch.empty(n_scratch, *down_shape, dtype=dtype, device=device)  # (n, H, I)
         self.spec_of: list[QuantSpec | None] = [None] * n_slots
-
-    @staticmethod
-    def layout_bytes(gate_up_shape, down_shape, spec: QuantSpec | None, dtype: torch.dtype) -> int:
-        """Bytes one slot needs to hold an expert at spec (segments 8-byte aligned)."""
-        total = 0
-        for shape in (gate_up_shape, down_shape):
-            numel = math.prod(shape)
-            if spec is None:
-                total += _aligned(numel * dtype.itemsize)
-            else:
-                total += _aligned(packed_nbytes(numel, spec.bits)) + 2 * _aligned(numel // spec.group_size * 2)
-        return total
 
     def _layout(self, spec: QuantSpec | None) -> dict:
         off, out = 0, {}
@@ -161,13 +144,13 @@ class PackedSlots(DeviceSlots):
             if spec is None:
                 n = numel * self.dtype.itemsize
                 out[name] = {"w": (off, n)}
-                off += _aligned(n)
+                off += aligned(n)
                 continue
             segs = {}
             for part, n in (("packed", packed_nbytes(numel, spec.bits)), ("scale", numel // spec.group_size * 2),
                             ("zero", numel // spec.group_size * 2)):
                 segs[part] = (off, n)
-                off += _aligned(n)
+                off += aligned(n)
             out[name] = segs
         out["bytes"] = off
         return out
@@ -228,31 +211,6 @@ class PackedSlots(DeviceSlots):
         """Bytes of one expert at full precision (the scratch's size)."""
         return self.gate_up_scratch[0].numel() * self.gate_up_scratch.element_size() + \
             self.down_scratch[0].numel() * self.down_scratch.element_size()
-
-
-SCRATCH_SLOTS = 1  # full-precision experts a packed-slot (quantized) runtime dequantizes into
-
-
-STANDIN_SPEC = QuantSpec(2, 32)  # lossy="standin": the resident copy of every expert (HOBBIT's low precision)
-
-
-def standin_pool_bytes(num_moe_layers: int, num_experts: int, gate_up_shape: tuple[int, int],
-                       down_shape: tuple[int, int]) -> int:
-    """Device bytes of a resident INT2 copy of every routed expert (lossy="standin"), packed + scales + zeros."""
-    from fate_lab.quant import expert_nbytes
-
-    return num_moe_layers * num_experts * expert_nbytes({"gate_up": gate_up_shape, "down": down_shape}, STANDIN_SPEC)
-
-
-def slot_sizing(quant, num_moe_layers: int, gate_up_shape: tuple[int, int], down_shape: tuple[int, int],
-                dtype: torch.dtype, fp_bytes: int) -> tuple[tuple, int, int]:
-    """(precisions a slot may hold, bytes of one device slot, bytes of the dequantize scratch) for a
-    `quant.QuantPolicy` (None: full-precision slots, no scratch); the runtime and the simulator plan with it."""
-    if quant is None:
-        return (None,), fp_bytes, 0
-    specs = tuple(dict.fromkeys(s for m in range(num_moe_layers) for s in quant.host_specs(m)))
-    slot_bytes = max(PackedSlots.layout_bytes(gate_up_shape, down_shape, s, dtype) for s in specs)
-    return specs, slot_bytes, SCRATCH_SLOTS * fp_bytes
 
 
 class SlotWriter:

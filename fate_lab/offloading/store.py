@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from fate_lab.quant import QuantizedTensor, QuantSpec, quantize
+from fate_lab.quant import QuantSpec, QuantizedTensor, quantize
 
 
 @dataclass(frozen=True)
@@ -303,10 +303,6 @@ class QuantizedStore(HostStore):
         except KeyError:
             raise ValueError(f"no packed copy of expert {e} of MoE layer {m} at {spec}; this store keeps "
                              f"{self.specs[m]} for that layer") from None
-
-    def host_nbytes(self) -> int:
-        """Bytes of all packed copies held in RAM (the full-precision tier not included)."""
-        return sum(p.nbytes for p in self._packed.values())
 
     def describe(self) -> str:
         """The wrapped tier plus the packed precisions kept, e.g. 'ram + packed int4/g64, int2/g32'."""

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fate_lab.offloading.links import LinkProfile
+from fate_lab.hardware.links import LinkProfile
 from fate_lab.offloading.slots import DeviceSlots, SlotWriter
 from fate_lab.offloading.store import HostStore
 from fate_lab.quant import QuantSpec

@@ -41,82 +41,15 @@ returns f's slot). Stand-ins compute first, before any slot is released; both co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
-from fate_lab.offloading.stats import PHASES, PhaseStats
+from fate_lab.policy.cache_state import HOST, LayerState, Link, _Inflight, _Pool
 from fate_lab.policy.lossy import LOWP
 from fate_lab.policy.placement import HostPlacement
 from fate_lab.policy.replacement import ReplacementPolicy
+from fate_lab.policy.stats import PHASES, PhaseStats
 
-HOST = -1  # the "slot" of an expert that computes on the host
-
-
-class Link(Protocol):
-    """What the cache asks of its driver (real engine, instant replay, or simulated link)."""
-
-    def submit(self, m: int, e: int, slot: int, urgent: bool, reason: str) -> Any:
-        """Queue expert (m, e) into slot; urgent loads go before queued prefetches. Returns a handle."""
-
-    def cancel(self, handle: Any) -> bool:
-        """Drop a transfer the link has not started; True if dropped (nothing moved)."""
-
-    def poll(self, handle: Any) -> bool | None:
-        """None while in flight; True once its bytes landed; False if it failed."""
-
-    def wait(self, m: int, e: int, handle: Any) -> bool:
-        """Block until done (the stall is the driver's to count); True if the bytes landed."""
-
-    def reload(self, m: int, e: int, slot: int, reason: str) -> None:
-        """Load (m, e) into slot synchronously (after a failed transfer)."""
-
-    def capacity(self, m: int) -> int | None:
-        """Prefetches the link can start before layer m needs them; None: no limit."""
-
-
-@dataclass(eq=False)
-class _Inflight:
-    handle: Any
-    slot: int
-    urgent: bool
-    reason: str
-
-
-@dataclass(eq=False)
-class _Pool:
-    """A pool of staging slots."""
-
-    name: str
-    free: list[int]
-
-
-@dataclass(eq=False)
-class LayerState:
-    """Slot bookkeeping of one MoE layer."""
-
-    cache_slots: list[int]  # slot ids this layer's cache owns
-    policy: ReplacementPolicy  # over expert ids, capacity len(cache_slots)
-    where: dict[int, int] = field(default_factory=dict)  # cached (reserved) expert -> slot
-    valid: set[int] = field(default_factory=set)  # cached experts whose slot holds their bytes
-    staged: dict[int, int] = field(default_factory=dict)  # expert -> staging slot (not cached)
-    inflight: dict[int, _Inflight] = field(default_factory=dict)  # expert -> transfer in flight
-    prefetched: set[int] = field(default_factory=set)  # moved by the predictor for the next call
-    prediction: list[int] | None = None  # predicted set for the next call
-    pending: set[int] = field(default_factory=set)  # needed by the current call, not computed yet
-    deferred: list[int] = field(default_factory=list)  # misses still waiting for a slot
-    host: set[int] = field(default_factory=set)  # needed by the current call, computed on the host
-    subst: dict[int, int] = field(default_factory=dict)  # missed expert -> resident stand-in (this call)
-    lowp: set[int] = field(default_factory=set)  # misses computed from their resident low-precision copy
-
-    @property
-    def free(self) -> list[int]:
-        """Cache slots reserved by nobody."""
-        used = set(self.where.values())
-        return [s for s in self.cache_slots if s not in used]
-
-    def resident(self) -> set[int]:
-        """Experts usable now without a transfer: valid cached or staged with nothing in flight."""
-        return (self.valid | set(self.staged)) - set(self.inflight)
+__all__ = ["HOST", "ExpertCache", "LayerState", "Link"]
 
 
 class ExpertCache:
@@ -290,6 +223,26 @@ class ExpertCache:
         layer.subst, layer.lowp = {}, set()
         if not self.cache_enabled:
             layer.valid.clear()
+
+    # --- accounting ---------------------------------------------------------------------
+    def check_slots(self) -> None:
+        """Raise RuntimeError if a slot is lost or owned twice (every slot is a layer's cache slot, a free
+        staging slot, a staged expert's, or a finished transfer's waiting to be reaped)."""
+        owners: dict[int, list[str]] = {}
+        for m, layer in enumerate(self.layers):
+            for slot in layer.cache_slots:
+                owners.setdefault(slot, []).append(f"layer {m} cache")
+            for e, slot in layer.staged.items():
+                owners.setdefault(slot, []).append(f"layer {m} staged expert {e}")
+        for pool in (self.demand, *self.prefetch_pools):
+            for slot in pool.free:
+                owners.setdefault(slot, []).append(f"{pool.name} free")
+        for slot, _ in self.zombies:
+            owners.setdefault(slot, []).append("an unneeded transfer still landing")
+        lost = [s for s in range(self.num_slots) if s not in owners]
+        twice = {s: o for s, o in owners.items() if len(o) > 1}
+        if lost or twice:
+            raise RuntimeError(f"cache slot accounting is broken: lost {lost}, owned twice {twice}")
 
     # --- filling: the all-resident upper bound ----------------------------------------
     def preload(self, m: int, experts: list[int]) -> list[tuple[int, int]]:

@@ -33,10 +33,6 @@ class MemoryPlan:
         """Bytes held by the expert cache."""
         return self.cache_total * self.expert_bytes
 
-    @property
-    def slots_per_layer_if_uniform(self) -> float:
-        """cache_total / num_layers, for quick reading."""
-        return self.cache_total / self.num_layers
 
 
 def _check_nonneg(**kw: int) -> None:
@@ -127,6 +123,17 @@ def plan_offload(config, *, num_layers: int, num_experts: int, top_k: int, slot_
     if config.budget is not None and config.slots is not None:
         raise ValueError("give the budget either in bytes (budget=) or in expert slots (slots=), not both")
     pools = 2 * buffers  # two prefetch pools (even / odd layers)
+    fixed = getattr(config, "slots_per_layer", None)
+    if fixed is not None and not config.all_resident:
+        if len(fixed) != num_layers or any(not 0 <= c <= num_experts for c in fixed):
+            raise ValueError(f"slots_per_layer={tuple(fixed)} must hold {num_layers} counts in [0, {num_experts}] "
+                             f"(one per MoE layer)")
+        plan = plan_from_slots(sum(fixed), dense_bytes, kv_bytes_per_token, config.context_len, slot_expert_bytes,
+                               num_layers, top_k, pools, scratch_bytes=scratch_bytes)
+        from fate_lab.policy.placement import host_layer_set
+
+        on_host = host_layer_set(getattr(config, "host", None), getattr(config, "host_layers", 0), num_layers)
+        return plan, [c if config.cache and m not in on_host else 0 for m, c in enumerate(fixed)], buffers
     if config.budget is not None and not config.all_resident:
         plan = plan_memory(config.budget, dense_bytes, kv_bytes_per_token, config.context_len, slot_expert_bytes,
                            num_layers, top_k, pools, num_experts=num_experts, scratch_bytes=scratch_bytes)

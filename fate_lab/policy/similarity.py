@@ -1,13 +1,11 @@
 """Which resident expert can stand in for a missing one: per-layer expert similarity, computed offline.
 
 What this file is: the data behind expert *substitution* (on a miss of a low-weight expert,
-compute the most similar resident expert of the same layer instead). `compute_similarity` runs
-every expert of every MoE layer on calibration tokens -- the gate inputs of a recorded trace, i.e.
-the very hidden states the router sees -- and measures how much the output changes if expert f
-computes in place of expert e. The result, an `ExpertSimilarity` ([M, E, E], kept with the model
-as `expert_similarity.safetensors` + `.json`), feeds two pure policies over plain tensors:
-`substitute(sim, m, e, resident)` and `nearest(sim, m, e, k)`. `comparison_table` checks the
-definition against weight-space cosine (`weight_similarity`) on disjoint (eval) tokens.
+compute the most similar resident expert of the same layer instead): an `ExpertSimilarity`
+([M, E, E], kept with the model as `expert_similarity.safetensors` + `.json`) and the pure policies
+over it, `substitute(sim, m, e, resident)`, `nearest(sim, m, e, k)` and `expert_clusters`. It is
+computed offline by `fate_lab/fit/similarity.py` (`python -m fate_lab fit-similarity --model DIR`),
+which runs every expert on calibration tokens and checks the definition on held-out ones.
 
 Definition (per MoE layer m, y_e(t) = expert e's unweighted output on token t):
     err[e, f] = sqrt( sum_t w_e(t) ||y_f(t) - y_e(t)||^2 / sum_t w_e(t) ||y_e(t)||^2 )
@@ -23,40 +21,31 @@ is left with err = sqrt(1 - cos^2), cos the token-weighted cosine of the two out
 
 Why outputs, not weights: experts trained from separate initialisations differ by a permutation
 of their hidden units, so the cosine of flattened weights says little about what a substitution
-does to the output; `comparison_table` measures both on held-out tokens.
+does to the output; `fate_lab.fit.similarity.comparison_table` measures both on held-out tokens.
 
-scikit-learn serves twice: `sklearn.metrics.pairwise.cosine_similarity` for the weight-space
-baseline (one call over [E, 3*I*H] rows, safe for zero rows), and `AgglomerativeClustering` on a
-precomputed distance (average linkage over the symmetrised err) in `expert_clusters`, to show
-groups of interchangeable experts; both are standard, tested code we would otherwise re-write.
-
-What it is not: no cache, no runtime hook. The substitution/commit policies that call
-`substitute` live with the expert cache; nothing here touches a device at run time.
+scikit-learn's `AgglomerativeClustering` on a precomputed distance (average linkage over the
+symmetrised err) gives `expert_clusters`, groups of interchangeable experts: standard, tested code we
+would otherwise re-write.
+What it is not: no fitting, no model run, no cache, no runtime hook (the lossy miss rule that calls
+`substitute` is `lossy.py`).
 Letters: M MoE layers, E experts, N calibration tokens, H hidden, I expert intermediate, k top-k.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from tqdm.auto import tqdm
 
-from fate_lab.model.adapters import adapt
-from fate_lab.model.trace import Trace
 from fate_lab.paths import model_dir as _model_dir
 
+FIT_COMMAND = "python -m fate_lab fit-similarity --model DIR"
 SIMILARITY_FILE = "expert_similarity.safetensors"
 FORMAT_VERSION = 1
 FLOOR = 0.02  # token weight of a token NOT routed to e (a routed token weighs 1 + FLOOR)
 MAX_TOKENS = 4096  # calibration tokens used by default (evenly spaced rows of the trace)
-_CHUNK = 512  # tokens per chunk: bounds the [E, chunk, H] outputs held at once
 _META_KEY = "fate_lab_expert_similarity"
 
 
@@ -139,7 +128,7 @@ class ExpertSimilarity:
         meta = json.loads(raw)
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path} has expert-similarity format {meta.get('format_version')!r}; this fate_lab "
-                             f"reads {FORMAT_VERSION}. Recompute it: python -m fate_lab.policy.similarity --model DIR")
+                             f"reads {FORMAT_VERSION}. Recompute it: {FIT_COMMAND}")
         return cls(sim=sim, routed=routed, meta=meta, scale=scale)
 
 
@@ -154,7 +143,7 @@ def load_similarity(model_dir: str | Path | None = None) -> ExpertSimilarity:
     if not path.exists():
         raise FileNotFoundError(
             f"no expert similarity for the model in {path.parent} (looked for {path.name}); compute it once with "
-            f"`python -m fate_lab.policy.similarity --model {path.parent}` (it runs every expert on a "
+            f"`python -m fate_lab fit-similarity --model {path.parent}` (it runs every expert on a "
             f"calibration trace; seconds for the tiny model)")
     return ExpertSimilarity.load(path)
 
@@ -203,209 +192,3 @@ def expert_clusters(sim: torch.Tensor, m: int, max_error: float = 0.9) -> list[l
     for e, c in enumerate(labels.tolist()):
         groups.setdefault(c, []).append(e)
     return sorted(groups.values())
-
-
-# --- computing it -----------------------------------------------------------------------
-@torch.no_grad()
-def expert_outputs(model: nn.Module, m: int, x: torch.Tensor) -> torch.Tensor:
-    """Unweighted outputs [E, N, H] (float32) of every expert of MoE layer m on gate inputs x [N, H]."""
-    experts = adapt(model).experts_module(m)
-    x = x.to(experts.gate_up_proj.device, torch.float32)  # (N, H)
-    out = []
-    for e in range(experts.gate_up_proj.shape[0]):
-        gate_up = experts.gate_up_proj[e].float()  # (2I, H)
-        h = experts._apply_gate(F.linear(x, gate_up))  # (N, I) the family's own gating, as the runtime applies it
-        out.append(F.linear(h, experts.down_proj[e].float()))  # (N, H)
-    return torch.stack(out)  # (E, N, H)
-
-
-def _calibration_rows(trace: Trace, max_tokens: int) -> torch.Tensor:
-    """Row indices of the trace to use: all, or max_tokens evenly spaced ones (deterministic)."""
-    n = trace.num_tokens
-    if n <= max_tokens:
-        return torch.arange(n)
-    return torch.linspace(0, n - 1, max_tokens).round().long()  # (max_tokens,)
-
-
-@torch.no_grad()
-def output_moments(model: nn.Module, trace: Trace, max_tokens: int = MAX_TOKENS, floor: float = FLOOR,
-                   progress: bool = True) -> dict[str, torch.Tensor]:
-    """Token-weighted sums of the experts' outputs over a trace, per MoE layer (float64).
-
-    "own" [M, E]: sum_t w_e(t) ||y_e||^2; "other" [M, E, E]: sum_t w_e(t) ||y_f||^2; "diff" [M, E, E]:
-    sum_t w_e(t) ||y_f - y_e||^2 (exact differences: an identical expert gives exactly 0); "routed"
-    [M, E]: tokens routed to e. Every error and scale below is a function of these.
-    """
-    if trace.gate_inputs is None:
-        raise ValueError("this trace has no gate inputs (e.g. it came from a routing array); record one with "
-                         "fate_lab.record_trace or lab.get_trace(split='calib') to compute expert similarity")
-    ad = adapt(model)
-    M, E = ad.num_moe_layers, ad.num_experts
-    if (trace.num_layers, trace.num_experts) != (M, E):
-        raise ValueError(f"the trace has {trace.num_layers} MoE layers x {trace.num_experts} experts but the model "
-                         f"{M} x {E}; record the trace with this model")
-    if max_tokens < 1 or floor < 0:
-        raise ValueError(f"need max_tokens >= 1 and floor >= 0, got max_tokens={max_tokens}, floor={floor}")
-    rows = _calibration_rows(trace, max_tokens)  # (N,)
-    # gate inputs at fp16, as the trace file stores them: a fresh and a reloaded trace give the same numbers
-    gate_inputs = trace.gate_inputs[rows].to(torch.float16).float()  # (N, M, H)
-    experts = trace.experts[rows].long()  # (N, M, k)
-    out = {"own": torch.zeros(M, E, dtype=torch.float64), "other": torch.zeros(M, E, E, dtype=torch.float64),
-           "diff": torch.zeros(M, E, E, dtype=torch.float64), "routed": torch.zeros(M, E, dtype=torch.int64)}
-    for m in tqdm(range(M), desc="expert outputs", unit="layer", disable=not progress):
-        hit = torch.zeros(len(rows), E).scatter_(1, experts[:, m], 1.0)  # (N, E) 1 where t was routed to e
-        out["routed"][m] = hit.sum(0).long()
-        weight = (hit + floor).double()  # (N, E) w_e(t)
-        for lo in range(0, len(rows), _CHUNK):
-            y = expert_outputs(model, m, gate_inputs[lo:lo + _CHUNK, m]).cpu().transpose(0, 1)  # (n, E, H)
-            w = weight[lo:lo + _CHUNK]  # (n, E)
-            d2 = torch.cdist(y, y, compute_mode="donot_use_mm_for_euclid_dist").square().double()  # (n, E, E)
-            norm2 = y.double().square().sum(-1)  # (n, E) ||y_e(t)||^2
-            out["own"][m] += (norm2 * w).sum(0)  # (E,)
-            out["other"][m] += w.T @ norm2  # (E, E) [e, f] = sum_t w_e(t) ||y_f(t)||^2
-            out["diff"][m] += torch.einsum("nef,ne->ef", d2, w)  # (E, E)
-    return out
-
-
-def relative_error(moments: dict[str, torch.Tensor], scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Relative output error [M, E, E] of y_f (or of scale[m, e, f] * y_f) standing in for y_e."""
-    own = moments["own"].clamp_min(1e-30)[..., None]  # (M, E, 1)
-    if scale is None:
-        return (moments["diff"] / own).sqrt().float()  # (M, E, E)
-    s = scale.double()  # (M, E, E)
-    cross = (moments["own"][..., None] + moments["other"] - moments["diff"]) / 2  # (M, E, E) sum_t w_e <y_e, y_f>
-    return ((own - 2 * s * cross + s * s * moments["other"]) / own).clamp_min(0).sqrt().float()
-
-
-def least_squares_scale(moments: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The factor [M, E, E] that makes scale * y_f closest to y_e on e's tokens (<y_e, y_f> / ||y_f||^2)."""
-    cross = (moments["own"][..., None] + moments["other"] - moments["diff"]) / 2  # (M, E, E)
-    return (cross / moments["other"].clamp_min(1e-30)).float()
-
-
-def compute_similarity(model: nn.Module, trace: Trace, max_tokens: int = MAX_TOKENS, floor: float = FLOOR,
-                       progress: bool = True) -> ExpertSimilarity:
-    """Expert similarity of every MoE layer from the experts' outputs on a calibration trace."""
-    moments = output_moments(model, trace, max_tokens, floor, progress)
-    ad = adapt(model)
-    meta = {
-        "definition": "sim[m,e,f] = 1 - sqrt(sum_t w_e(t)||y_f(t)-y_e(t)||^2 / sum_t w_e(t)||y_e(t)||^2), "
-                      "w_e(t) = [t routed to e] + floor; y = unweighted expert output on the router's input; "
-                      "scale[m,e,f] = least-squares factor of y_f towards y_e on the same weights",
-        "family": ad.family, "model": str(getattr(model.config, "_name_or_path", "")),
-        "moe_layers": list(ad.moe_layers), "tokens": int(min(trace.num_tokens, max_tokens)),
-        "trace_tokens": trace.num_tokens, "floor": floor,
-    }
-    return ExpertSimilarity(sim=1.0 - relative_error(moments), routed=moments["routed"], meta=meta,
-                            scale=least_squares_scale(moments))
-
-
-@torch.no_grad()
-def weight_similarity(model: nn.Module) -> torch.Tensor:
-    """Cosine of the experts' flattened (gate, up, down) weights [M, E, E]: the weight-space baseline."""
-    from sklearn.metrics.pairwise import cosine_similarity
-
-    ad = adapt(model)
-    out = []
-    for m in range(ad.num_moe_layers):
-        ex = ad.experts_module(m)
-        flat = torch.cat([ex.gate_up_proj.flatten(1), ex.down_proj.flatten(1)], dim=1)  # (E, 3*I*H)
-        out.append(torch.from_numpy(cosine_similarity(flat.detach().float().cpu().numpy())).float())  # (E, E)
-    return torch.stack(out)  # (M, E, E)
-
-
-# --- which definition predicts the real error --------------------------------------------
-def _ranks(x: torch.Tensor) -> torch.Tensor:
-    """Ranks 0..n-1 along the last dim (ties broken by position)."""
-    return torch.argsort(torch.argsort(x, dim=-1), dim=-1).double()
-
-
-def _row_spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over rows of the Spearman rank correlation of a [R, n] and b [R, n]."""
-    ra, rb = _ranks(a), _ranks(b)  # (R, n)
-    ra, rb = ra - ra.mean(-1, keepdim=True), rb - rb.mean(-1, keepdim=True)
-    return float(((ra * rb).sum(-1) / (ra.norm(dim=-1) * rb.norm(dim=-1)).clamp_min(1e-30)).mean())
-
-
-def compare_predictors(predictors: dict[str, torch.Tensor], true_err: torch.Tensor) -> list[dict]:
-    """Per layer: the true error of each predictor's nearest expert, random and oracle, and rank correlations.
-
-    predictors: name -> similarity [M, E, E] (larger = more similar); true_err: [M, E, E] measured on
-    other tokens. "random" is the mean error over all f != e (the expectation of a random resident);
-    "oracle" the smallest true error. Rank correlation: Spearman of similarity vs -error within each
-    row e over f != e, averaged over e. Pure: tensors in, rows out.
-    """
-    M, E, _ = true_err.shape
-    off = ~torch.eye(E, dtype=torch.bool)  # (E, E) f != e
-    rows = []
-    for m in range(M):
-        err = true_err[m][off].view(E, E - 1)  # (E, E-1)
-        row = {"layer": m, "random": float(err.mean()), "oracle": float(err.min(-1).values.mean())}
-        for name, s in predictors.items():
-            s_m = s[m][off].view(E, E - 1)  # (E, E-1)
-            pick = torch.argmax(s_m, dim=-1, keepdim=True)  # (E, 1) first maximum: lowest id among ties
-            row[f"nearest by {name}"] = float(err.gather(1, pick).mean())
-            row[f"rank corr {name}"] = _row_spearman(s_m.double(), -err.double())
-        rows.append(row)
-    keys = [k for k in rows[0] if k != "layer"]
-    rows.append({"layer": "mean", **{k: sum(r[k] for r in rows) / M for k in keys}})
-    return rows
-
-
-def comparison_table(model: nn.Module, sim: ExpertSimilarity, eval_trace: Trace, max_tokens: int = MAX_TOKENS,
-                     progress: bool = True) -> list[dict]:
-    """Output similarity vs weight cosine as predictors of the output error measured on eval_trace.
-
-    Adds "nearest by outputs, scaled": the same pick as "nearest by outputs", its output multiplied
-    by the calibration's least-squares `scale`, error measured on eval_trace.
-    """
-    moments = output_moments(model, eval_trace, max_tokens, float(sim.meta.get("floor", FLOOR)), progress)
-    rows = compare_predictors({"outputs": sim.sim, "weights": weight_similarity(model)}, relative_error(moments))
-    scaled = compare_predictors({"outputs": sim.sim}, relative_error(moments, sim.scale))
-    for row, s in zip(rows, scaled):
-        row["nearest by outputs, scaled"] = s["nearest by outputs"]
-    return rows
-
-
-# --- command line -------------------------------------------------------------------------
-def _print_table(rows: list[dict]) -> None:
-    """Rows as a markdown table."""
-    keys = list(rows[0])
-    cell = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(cell(r[k]) for k in keys) + " |")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Compute a model's expert similarity on its calib trace, save it beside the model, print the check."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="embedded model name (tiny_moe, tiny_deepseek) or local HF MoE checkpoint folder (default: tiny_moe)")
-    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="calibration tokens (evenly spaced rows)")
-    p.add_argument("--floor", type=float, default=FLOOR, help="weight of tokens not routed to the expert")
-    p.add_argument("--out", default=None, help="output .safetensors (default: <model>/" + SIMILARITY_FILE + ")")
-    p.add_argument("--no-check", action="store_true", help="skip the comparison on the eval trace")
-    args = p.parse_args(argv)
-    from fate_lab.study import lab  # the cached calib/eval traces of the notebooks
-
-    torch.manual_seed(0)
-    model, _ = lab.load(args.model)
-    calib = lab.get_trace(args.model, split="calib")
-    t0 = time.perf_counter()
-    sim = compute_similarity(model, calib, args.max_tokens, args.floor)
-    seconds = time.perf_counter() - t0  # printed, not stored: the file stays deterministic
-    sim.meta.update(model=lab.model_path(args.model).name, trace="lab.get_trace(split='calib')",
-                    groups_below_0_9=[[g for g in sim.clusters(m, 0.9) if len(g) > 1] for m in range(sim.num_layers)])
-    print(f"expert similarity: {sim.num_layers} layers x {sim.num_experts} experts on {sim.meta['tokens']} "
-          f"calibration tokens in {seconds:.1f} s")
-    if not args.no_check:
-        rows = comparison_table(model, sim, lab.get_trace(args.model, split="eval"), args.max_tokens)
-        sim.meta["comparison_on_eval_trace"] = rows
-        print("\nrelative output error of the substitute, measured on the eval trace (1.0 = as bad as dropping):\n")
-        _print_table(rows)
-    path = sim.save(args.out or similarity_path(lab.model_path(args.model)))
-    print(f"\nwrote {path} and {path.with_suffix('.json').name}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,28 +1,55 @@
-"""The layer step: one MoE layer's experts call, the same code for the runtime and the simulator.
+"""The layer step: one MoE layer's experts call, the same code for the runtime, the simulator and the replay.
 
-What this file is: `needed_order` (which experts a call needs, in the order they compute) and
-`run_layer`, the sequence Fate's decode pipeline runs in every MoE layer m:
+What this file is: `needed_order` (which experts a call needs, in the order they compute), the two small
+records a driver hands over -- `StepRules` (what stays fixed over a run: predictor, router, popularity
+order, lossy miss rule, Fate's INT2 prefill tail) and `LayerCall` (one call: the layer, its routing, its
+gate input, how an expert computes) -- and `run_layer`, the sequence Fate's pipeline runs in every MoE
+layer m:
   1. the cache settles finished transfers, drops stale prefetches and queues the misses (urgent);
   2. the predictor scores layer m+1 on the host from layer m's gate input and the cache queues
      the predicted experts (most probable first, as many as the link can start in time when
      the config says so);
   3. layer m's experts compute one after another from their slots, waiting where a transfer
      is still on the link.
-The caller supplies what differs: `scores()` (the cross-layer scores, computed on the host),
-`compute(e, slot)` (real expert math in the runtime, simulated time in the simulator; slot is
-`cache.HOST` for an expert the placement computes on the host) and
-`on_predict(seconds)` hooks. What it is not: it keeps no state, moves no bytes, and knows no clock.
+What differs between drivers is only `LayerCall.compute(e, slot)` (real expert math, or simulated time;
+slot is `cache.HOST` for an expert computed on the host) and `LayerCall.timed` (how the host-side
+prediction's time is accounted). What it is not: it keeps no state, moves no bytes, and knows no clock.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from torch import Tensor
 
 from fate_lab.policy.cache import ExpertCache
 from fate_lab.policy.lossy import MissPolicy
 from fate_lab.policy.predictors import Predictor
+from fate_lab.policy.rules import RouterScores
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """What a driver's layer steps share for a whole run."""
+
+    predictor: Predictor | None  # None: no prefetching
+    router: RouterScores | None  # every MoE layer's router on the host (None: a routing-only trace)
+    popularity: bool = True  # prefill computes popular experts first
+    miss_policy: MissPolicy | None = None  # lossy decode steps (None: every expert computes as routed)
+    prefill_low_count: Callable[[int], int] | None = None  # of k prefill prefetches, how many travel at INT2
+
+
+@dataclass
+class LayerCall:
+    """One experts call of MoE layer m, as a driver hands it to `run_layer`."""
+
+    m: int
+    routing: Tensor  # (T, K) expert ids, on the host
+    compute: Callable[[int, int], None]  # compute(e, slot): real expert math, or simulated time
+    gate_input: Tensor | None = None  # (T, H) layer m's gate input (None: a routing-only trace)
+    weights: Tensor | None = None  # (T, K) top-k gate weights on the host (lossy rules only)
+    timed: Callable[[Callable[[], Any]], Any] | None = None  # runs the host-side prediction, accounts its time
 
 
 def needed_order(flat: list[int], popularity: bool) -> list[int]:
@@ -36,58 +63,57 @@ def needed_order(flat: list[int], popularity: bool) -> list[int]:
     return sorted(count, key=lambda e: (-count[e], first[e]))
 
 
-def run_layer(cache: ExpertCache, predictor: Predictor | None, m: int, idx_host: Tensor,
-              scores: Callable[[], Tensor | None], compute: Callable[[int, int], None],
-              popularity: bool = True, low_count: Callable[[int], int] | None = None,
-              timed_predict: Callable[[Callable[[], list[int]]], list[int]] | None = None,
-              router_scores: Callable[[], Tensor] | None = None, miss_policy: MissPolicy | None = None,
-              weights: Tensor | None = None) -> list[int]:
-    """One experts call of MoE layer m with routing idx_host [T, K]; returns the compute order.
+def _own_scores(rules: StepRules, call: LayerCall, why: str) -> Tensor:
+    """Layer m's own router probabilities [T, E] (a score-reading replacement policy, the commit rule)."""
+    if rules.router is None or call.gate_input is None:
+        raise ValueError(f"{why} needs the router's probabilities; this driver gives none (a routing-only trace?)")
+    return rules.router.scores(call.m, call.gate_input)
 
-    `router_scores()` gives layer m's own router probabilities [T, E], asked only when its
-    replacement policy wants them (`ReplacementPolicy.wants_scores`) or the commit rule needs them.
-    `miss_policy` (lossy decode steps) reads the token's top-k gate `weights` [1, K]; experts it
-    drops are missing from the returned order (the caller renormalises).
 
-    `timed_predict(fn)` runs the host-side prediction `fn` and accounts for its time (runtime:
-    a timeline event; simulator: the host profile's predictor time); None just calls it.
-    """
-    flat = idx_host.reshape(-1).tolist()  # (T*K,)
+def _miss_plan(rules: StepRules, call: LayerCall, flat: list[int]):
+    """The lossy rule's plan for a decode token's misses: {missing expert: stand-in or None}."""
+    mp, m = rules.miss_policy, call.m
+    w = call.weights.reshape(-1).tolist()  # (K,) gate weights of the token's experts, in flat's order
+    total = sum(w) or 1.0
+    share: dict[int, float] = {}
+    for e, wi in zip(flat, w):
+        share[e] = share.get(e, 0.0) + wi / total
+    mass = None
+    if mp.kind == "commit":
+        mass = float(_own_scores(rules, call, "the commit policy")[0].topk(len(flat)).values.sum())  # router top-k mass
+    return lambda missing, resident: mp.plan(m, missing, share, resident, mass)
+
+
+def run_layer(cache: ExpertCache, rules: StepRules, call: LayerCall) -> list[int]:
+    """One experts call (semantics in the module docstring); returns the compute order (dropped experts are
+    missing from it: the caller renormalises)."""
+    m, idx = call.m, call.routing
+    flat = idx.reshape(-1).tolist()  # (T*K,)
     policy = cache.layers[m].policy
     if policy.wants_scores:
-        if router_scores is None:
-            raise ValueError(f"replacement policy {policy.name!r} needs the router's probabilities; this driver "
-                             "gives none (a routing-only trace?)")
-        p = router_scores()  # (T, E)
+        p = _own_scores(rules, call, f"replacement policy {policy.name!r}")  # (T, E)
         policy.observe(p.mean(dim=0).tolist(), p.shape[0])
     counts = Counter(flat) if cache.placement is not None else None
     miss_plan = None
-    if miss_policy is not None and idx_host.shape[0] == 1 and cache.phase == "decode":
-        w = weights.reshape(-1).tolist()  # (K,) gate weights of the token's experts, in flat's order
-        total = sum(w) or 1.0
-        share: dict[int, float] = {}
-        for e, wi in zip(flat, w):
-            share[e] = share.get(e, 0.0) + wi / total
-        mass = None
-        if miss_policy.kind == "commit":
-            if router_scores is None:
-                raise ValueError("the commit policy needs the router's probabilities; this driver gives none")
-            mass = float(router_scores()[0].topk(len(flat)).values.sum())  # router mass on its top-k
-        miss_plan = lambda missing, resident: miss_policy.plan(m, missing, share, resident, mass)  # noqa: E731
-    order = cache.begin(m, needed_order(flat, popularity), counts, miss_plan)
+    if rules.miss_policy is not None and idx.shape[0] == 1 and cache.phase == "decode":
+        miss_plan = _miss_plan(rules, call, flat)
+    order = cache.begin(m, needed_order(flat, rules.popularity), counts, miss_plan)
+    predictor = rules.predictor
     if predictor is not None and m + 1 < len(cache.layers):
         def predict() -> list[int]:
-            s = scores()  # (T, E) layer m+1's router on layer m's gate input
-            cur = idx_host[0] if idx_host.shape[0] == 1 else idx_host
+            s = None if call.gate_input is None or rules.router is None else \
+                predictor.scores(m, call.gate_input, rules.router)  # (T, E) what it reads for layer m+1
+            cur = idx[0] if idx.shape[0] == 1 else idx
             return list(predictor.predict(m, None if s is None else (s[0] if s.shape[0] == 1 else s), cur))
 
-        predicted = timed_predict(predict) if timed_predict is not None else predict()
-        cache.prefetch(m + 1, predicted, low_count)
+        predicted = call.timed(predict) if call.timed is not None else predict()
+        low = rules.prefill_low_count if cache.phase == "prefill" else None
+        cache.prefetch(m + 1, predicted, low)
     if predictor is not None:
-        predictor.observe(m, idx_host)
+        predictor.observe(m, idx)
     for e in order:
         slot = cache.acquire(m, e)
-        compute(e, slot)
+        call.compute(e, slot)
         cache.done(m, e)
     cache.end(m)
     return order

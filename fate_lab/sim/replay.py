@@ -1,46 +1,50 @@
-"""Trace replay of the per-layer expert cache: hit rates, bytes moved, wasted prefetches.
+"""Trace replay of the per-layer expert cache: hit rates, bytes moved, wasted prefetches -- no clock.
 
-Given a recorded routing trace ``experts [N, L, k]`` (tokens in processing order), a slot count
-per layer, a replacement policy and optionally the predicted sets, ``replay`` drives THE
-runtime's cache (``cache.ExpertCache``) with transfers that land at once, one token and one
+What this file is: the third driver of the one expert cache. `replay(trace, config)` takes the cache-related
+part of the same `OffloadConfig` the runtime and the simulator take (slots or budget and allocation,
+replacement, prefetch buffers and admission, the predictor), builds it through the same driver core, and
+drives THE runtime's cache (`policy/cache.ExpertCache`) with transfers that land at once, one token and one
 layer at a time, in the runtime's order:
 
-(a) prefetch: the experts predicted for layer l (made while layer l-1 ran) are queued most
-    probable first, as the runtime queues them: admitted into the cache (``admit_prefetch=
-    "on_load"``, protecting the rest of the predicted set) or held in one of
-    ``prefetch_buffer`` staging slots until used (``"on_use"``; a used one then enters the
+(a) prefetch: the experts predicted for layer l (made while layer l-1 ran) are queued most probable first,
+    as the runtime queues them: admitted into the cache (``admit_prefetch="on_load"``, protecting the rest
+    of the predicted set) or held in staging slots until used (``"on_use"``; a used one then enters the
     cache); what finds no slot moves nothing;
-(b) the token's experts of layer l are classified (resident or not) and computed in the
-    runtime's order: hits first, then misses, each loaded on demand while the token's other
-    experts of the layer are protected. That order is what the replacement policy sees, so an
-    LRU result no longer depends on the column order of the input beyond the router's own order.
+(b) the token's experts of layer l are classified (resident or not) and computed in the runtime's order:
+    hits first, then misses, each loaded on demand while the token's other experts of the layer are
+    protected. That order is what the replacement policy sees.
 
-Layers are independent (each has its own slots, policy, predictions and staging pool), so
-results are computed per (layer, slots) and ``sweep`` reuses them across the boundary x budget
-grid. The replay has no clock: a prefetch always arrives. For time, the batched prefill step and
-the link, use ``fate_lab.sim.simulate`` (same cache; equal counts with an instant link, tested).
-Prefill tokens are replayed one by one, in trace order. ``replay``/``sweep``/``miss_curves``
-accept a ``Trace`` or a plain ``[N, L, k]`` tensor, and ``slots_per_layer`` as a list or one int.
+It returns the runtime's own `RunStats` (no forward times: a replay has no clock, so no speeds). Layers are
+independent (each has its own slots, policy, predictions and staging pool), so results are computed per
+(layer, slots) and `sweep` / `miss_curves` reuse them across a grid. The replay has no clock: a prefetch
+always arrives. For time, the batched prefill step and the link, use `fate_lab.sim.simulate` (same cache;
+equal counts with an instant link on decode traces, tested). Prefill tokens are replayed one by one.
+Research hooks beside the config: `policy=` a replacement factory ``capacity -> ReplacementPolicy`` (or a
+name) with `policy_kw`, and `predictions=` given sets instead of the config's predictor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from fate_lab.offloading.stats import PHASES
+from fate_lab.core.config import OffloadConfig
+from fate_lab.core.driver import DriverCore
+from fate_lab.core.shape import ModelShape
+from fate_lab.hardware.setups import Hardware
 from fate_lab.policy.allocation import ShallowFavoringAllocation
 from fate_lab.policy.cache import ExpertCache
-from fate_lab.policy.predictors import SelectionRule
-from fate_lab.policy.replacement import ReplacementPolicy, policy_from_name
+from fate_lab.policy.prediction_metrics import predict_trace
+from fate_lab.policy.replacement import ReplacementPolicy
+from fate_lab.policy.registry import policy_from_name
+from fate_lab.policy.rules import RouterScores, SelectionRule
+from fate_lab.policy.stats import PHASES, PhaseStats, RunStats
 
 Predictions = list  # list[N] of list[L] of (list[int] | None)
 PolicySpec = str | Callable[[int], ReplacementPolicy]
-
-_COUNTS = ("uses", "hits", "uses_prefill", "hits_prefill", "uses_decode", "hits_decode",
-           "demand_loads", "prefetch_loads", "prefetch_useful", "prefetch_wasted")
+LayerStats = dict  # {"prefill": PhaseStats, "decode": PhaseStats} of one layer
 
 
 def predictions_from_rule(pred_scores: Tensor, rule: SelectionRule) -> Predictions:
@@ -50,22 +54,14 @@ def predictions_from_rule(pred_scores: Tensor, rule: SelectionRule) -> Predictio
     return [[None] + flat[t * Lm1 : (t + 1) * Lm1] for t in range(N)]
 
 
-def _make_policy(policy: PolicySpec, capacity: int, uses: list[list[int]], policy_kw: dict) -> ReplacementPolicy:
-    if isinstance(policy, str):
-        if policy.lower() == "belady":
-            return policy_from_name(policy, capacity, future=uses)
-        return policy_from_name(policy, capacity, **policy_kw)
-    return policy(capacity)
-
-
 class _Landed:
-    """The instant driver of the cache: every transfer has landed when `submit` returns."""
+    """The instant link of a one-layer replay: every transfer has landed when `submit` returns."""
 
-    def __init__(self):
-        self.loads = [0, 0]  # (prefetch, demand) transfers
+    def __init__(self, cache_phase: Callable[[], str], stats: LayerStats):
+        self.phase, self.stats = cache_phase, stats
 
     def submit(self, m, e, slot, urgent, reason):
-        self.loads[urgent] += 1
+        self.stats[self.phase()].bytes_moved += 1  # one expert; scaled to bytes at the end
         return True
 
     def cancel(self, handle) -> bool:
@@ -84,16 +80,25 @@ class _Landed:
         return None
 
 
-def _replay_layer(
-    uses: list[list[int]], preds: list | None, phases: list[int], pol: ReplacementPolicy, buffer: int = 0,
-    top_k: int = 1, admit_prefetch: str = "on_load", probs: list[list[float]] | None = None,
-) -> dict[str, int]:
-    """Replay one layer's uses (``uses[t]`` = ids, in the router's order) through one ExpertCache."""
-    link = _Landed()
-    cap = pol.capacity
-    cache = ExpertCache([cap], lambda m, c: pol, max(1, top_k), buffer, link, admit_on_use=admit_prefetch == "on_use")
+def _make_policy(policy: PolicySpec, capacity: int, uses: list[list[int]], policy_kw: dict) -> ReplacementPolicy:
+    if isinstance(policy, str):
+        if policy.lower() == "belady":
+            return policy_from_name(policy, capacity, future=uses)
+        return policy_from_name(policy, capacity, **policy_kw)
+    return policy(capacity)
+
+
+def _replay_layer(uses: list[list[int]], preds: list | None, phases: list[int], pol: ReplacementPolicy,
+                  buffer: int = 0, top_k: int = 1, admit_prefetch: str = "on_load",
+                  probs: list[list[float]] | None = None) -> LayerStats:
+    """Replay one layer's uses (``uses[t]`` = ids, in the router's order) through one ExpertCache; its counters
+    per phase (bytes_moved counts experts moved)."""
+    stats: LayerStats = {p: PhaseStats() for p in PHASES}
+    cache: ExpertCache
+    link = _Landed(lambda: cache.phase, stats)
+    cache = ExpertCache([pol.capacity], lambda m, c: pol, max(1, top_k), buffer, link, [stats],
+                        admit_on_use=admit_prefetch == "on_use")
     layer = cache.layers[0]
-    stats = cache.stats[0]
     tick = getattr(pol, "at", None)
     begin, acquire, done, prefetch = cache.begin, cache.acquire, cache.done, cache.prefetch
     for t, need in enumerate(uses):
@@ -106,61 +111,21 @@ def _replay_layer(
             prefetch(0, preds[t])
         elif preds is not None:
             layer.prediction = None
-        order = begin(0, list(dict.fromkeys(need)))
-        for e in order:
+        for e in begin(0, list(dict.fromkeys(need))):
             acquire(0, e)
             done(0, e)
         cache.end(0)
-    p, d = stats["prefill"], stats["decode"]
-    return {
-        "uses": p.uses + d.uses, "hits": p.hits + d.hits,
-        "uses_prefill": p.uses, "hits_prefill": p.hits, "uses_decode": d.uses, "hits_decode": d.hits,
-        "demand_loads": link.loads[1], "prefetch_loads": link.loads[0],
-        "prefetch_useful": p.prefetch_useful + d.prefetch_useful,
-        "prefetch_wasted": p.prefetch_wasted + d.prefetch_wasted,
-    }
-
-
-def _rate(h: int, n: int) -> float | None:
-    return h / n if n else None
-
-
-def _summarise(c: dict[str, int], expert_bytes: int, has_phase: bool) -> dict:
-    """Raw counts -> the reported metrics."""
-    out = dict(c)
-    out["misses"] = c["uses"] - c["hits"]
-    out["hit_rate"] = _rate(c["hits"], c["uses"])
-    out["hit_rate_prefill"] = _rate(c["hits_prefill"], c["uses_prefill"]) if has_phase else None
-    out["hit_rate_decode"] = _rate(c["hits_decode"], c["uses_decode"]) if has_phase else None
-    out["bytes_on_demand"] = c["demand_loads"] * expert_bytes
-    out["bytes_prefetch"] = c["prefetch_loads"] * expert_bytes
-    out["bytes_moved"] = out["bytes_on_demand"] + out["bytes_prefetch"]
-    return out
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """Replay metrics: ``overall`` and ``per_layer`` dicts with hits, uses, misses, hit rates
-    (all / prefill / decode; None without phase), bytes on demand / prefetch / moved,
-    prefetch loads / useful / wasted (evicted before use) / unused at the end."""
-
-    slots_per_layer: list[int]
-    overall: dict
-    per_layer: list[dict] = field(repr=False)
-
-    @property
-    def hit_rate(self) -> float | None:
-        """Fraction of expert uses found resident."""
-        return self.overall["hit_rate"]
+    return stats
 
 
 def _prepare(experts, predictions: Predictions | None, phase):
-    """(uses per layer, predictions per layer, phase per token, L, k, phase given?) from a Trace or a tensor."""
+    """(uses per layer, predictions per layer, phase per token, L, k, trace or None) from a Trace or a tensor."""
     from fate_lab.model.trace import Trace
 
-    if isinstance(experts, Trace):
-        phase = experts.phase if phase is None else phase
-        experts = experts.experts
+    trace = experts if isinstance(experts, Trace) else None
+    if trace is not None:
+        phase = trace.phase if phase is None else phase
+        experts = trace.experts
     ex = torch.as_tensor(experts)
     if ex.dim() != 3:
         raise ValueError(f"experts must be [N, L, k], got shape {tuple(ex.shape)}")
@@ -181,101 +146,152 @@ def _prepare(experts, predictions: Predictions | None, phase):
     phases = [1] * N if phase is None else [int(p) for p in torch.as_tensor(phase).tolist()]
     if len(phases) != N or any(p not in (0, 1) for p in phases):
         raise ValueError(f"phase must hold one 0 (prefill) or 1 (decode) per token ({N} tokens)")
-    return uses, preds, phases, L, k, phase is not None
+    return uses, preds, phases, L, k, trace
 
 
-def _router_probs(trace, L: int) -> list[list[list[float]]]:
-    """Per layer, each token's router probabilities [N][E], from the trace's gate inputs and router weights
-    (the product the runtime and the simulator compute), for policies that read the router."""
+def trace_shape(trace_or_experts, num_experts: int | None = None) -> ModelShape:
+    """A shape for a replay given no model: the trace's layers, experts and top-k, and no bytes to speak of (a
+    replay without a shape counts experts moved in `bytes_moved`, one unit each)."""
     from fate_lab.model.trace import Trace
-    from fate_lab.policy.predictors import next_layer_scores
 
-    if not isinstance(trace, Trace) or trace.gate_inputs is None or trace.router_weights is None:
-        raise ValueError("this replacement policy reads the router's probabilities: replay a Trace recorded with "
-                         "gate inputs and router weights (record_trace)")
-    scoring = trace.meta.get("scoring", "softmax")
-    gi = trace.gate_inputs.float()
-    return [next_layer_scores(trace.router_weights[l].float(), gi[:, l], scoring).tolist() for l in range(L)]
+    ex = trace_or_experts.experts if isinstance(trace_or_experts, Trace) else torch.as_tensor(trace_or_experts)
+    E = num_experts or (trace_or_experts.num_experts if isinstance(trace_or_experts, Trace) else
+                        int(ex.max()) + 1 if ex.numel() else 1)
+    return ModelShape(ex.shape[1], ex.shape[1], max(E, 1), ex.shape[2], 1, 1, torch.float32, 0, 0)
+
+
+def _router(trace, shape: ModelShape) -> RouterScores | None:
+    if trace is None or trace.gate_inputs is None or trace.router_weights is None:
+        return None
+    return RouterScores([w.float() for w in trace.router_weights], trace.meta.get("scoring", shape.scoring))
+
+
+def _config_predictions(core: DriverCore, trace, router: RouterScores | None) -> Predictions | None:
+    """The sets the config's predictor makes for every token and layer, in the runtime's order (prefill tokens
+    one by one, as the replay runs them)."""
+    pred = core.predictor
+    if pred is None:
+        return None
+    gi = None if trace is None or trace.gate_inputs is None else trace.gate_inputs.float()
+    if core.config.predictor in ("cross_layer_gate", "learned_gate") and (gi is None or router is None):
+        raise ValueError(f"predictor {core.config.predictor!r} reads gate inputs and router weights: replay a Trace "
+                         "recorded with record_trace, or set predictor=None / 'activation_path'")
+    scores = None
+    if gi is not None and router is not None and gi.shape[1] > 1 and pred.scores(0, gi[:1, 0], router) is not None:
+        scores = torch.stack([pred.scores(l, gi[:, l], router) for l in range(gi.shape[1] - 1)], dim=1)  # (N, L-1, E)
+    ex = trace.experts if trace is not None else None
+    return predict_trace(pred, ex, scores, None if trace is None else trace.prompt_id)
+
+
+def _summ(layer_stats: list[LayerStats], slots: list[int], shape: ModelShape, plan, link_bytes: int,
+          expert_bytes: int) -> RunStats:
+    for ls in layer_stats:
+        for s in ls.values():
+            s.bytes_moved *= link_bytes
+    return RunStats(layers=layer_stats, link="instant (replay: transfers land at once)", store="replay", plan=plan,
+                    slots_per_layer=list(slots), driver="replay", expert_bytes=expert_bytes)
+
+
+def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | None = None,
+           slots_per_layer: Sequence[int] | int | None = None, policy: PolicySpec | None = None,
+           predictions: Predictions | None = None, phase: Tensor | str | None = None,
+           policy_kw: dict | None = None, prefetch_buffer: int | None = None,
+           admit_prefetch: str | None = None, expert_bytes: int | None = None) -> RunStats:
+    """Replay a routing trace through per-layer caches (semantics in the module docstring).
+
+    ``config``: the `OffloadConfig` whose cache-related part runs (default: LRU, no predictor); the slots
+    come from its plan (``slots_per_layer``, ``slots`` or ``budget``: a budget needs ``shape``).
+    Conveniences that build that config: ``slots_per_layer`` (one int or a list), ``policy`` (a name, or a
+    factory ``capacity -> ReplacementPolicy``; ``policy_kw`` for its parameters), ``prefetch_buffer`` and
+    ``admit_prefetch``. ``predictions[t][l]``: ids predicted for layer l of token t (None: the config's
+    predictor, from the trace). ``expert_bytes``: the unit of bytes_moved (default: the shape's expert).
+    """
+    uses, preds, phases, L, k, trace = _prepare(experts, predictions, phase)
+    unit = expert_bytes if expert_bytes is not None else 1 if shape is None else shape.nbytes(None)
+    shape = shape or trace_shape(experts)
+    config = _replay_config(config, L, slots_per_layer, policy, prefetch_buffer, admit_prefetch)
+    core = DriverCore(config, shape, Hardware(None, None), driver="replay")
+    router = _router(trace, shape)
+    if preds is None and config.predictor is not None:
+        p = _config_predictions(core, trace, router)
+        preds = [[p[t][l] for t in range(len(p))] for l in range(L)]
+    pol_spec = policy if policy is not None and not isinstance(policy, str) else config.replacement
+    kw = policy_kw or {}
+    pols = [_make_policy(pol_spec, s, uses[l], kw) for l, s in enumerate(core.slots_per_layer)]
+    probs = [None] * L
+    if any(p.wants_scores for p in pols):
+        if router is None:
+            raise ValueError("this replacement policy reads the router's probabilities: replay a Trace recorded "
+                             "with gate inputs and router weights (record_trace)")
+        gi = trace.gate_inputs.float()
+        probs = [router.scores(l, gi[:, l]).tolist() for l in range(L)]
+    buffer = core.prefetch_buffers if preds is not None else 0
+    stats = [_replay_layer(uses[l], None if preds is None else preds[l], phases, pols[l], buffer, k,
+                           config.admit_prefetch, probs[l]) for l in range(L)]
+    return _summ(stats, core.slots_per_layer, shape, None if config.slots_per_layer else core.plan, unit, unit)
+
+
+def _replay_config(config, L, slots_per_layer, policy, prefetch_buffer, admit_prefetch) -> OffloadConfig:
+    """The config a replay runs: the given one (conveniences may not contradict it), or one built from them."""
+    if config is not None:
+        if not isinstance(config, OffloadConfig):
+            raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+        given = {k: v for k, v in (("slots_per_layer", slots_per_layer), ("prefetch_buffer", prefetch_buffer),
+                                   ("admit_prefetch", admit_prefetch)) if v is not None}
+        if isinstance(policy, str):
+            given["policy"] = policy
+        if given:
+            raise TypeError(f"replay(config=...) takes its settings from the config; drop {sorted(given)} "
+                            "(or set them on the config with dataclasses.replace)")
+        return config
+    if slots_per_layer is None:
+        raise TypeError("replay needs a config or slots_per_layer (one int for every layer, or a list)")
+    slots = _slots(slots_per_layer, L)
+    name = policy if isinstance(policy, str) else "lru"
+    if name.lower() not in ("belady",):
+        policy_from_name(name, 1)  # an unknown name fails here, naming the known ones
+    return OffloadConfig("replay", predictor=None, allocation="uniform", replacement=name.lower(),
+                         slots_per_layer=tuple(slots), prefetch_buffer_experts=prefetch_buffer or 0,
+                         admit_prefetch=admit_prefetch or "on_load", link="instant")
 
 
 def _slots(slots_per_layer, L: int) -> list[int]:
-    if isinstance(slots_per_layer, int) and not isinstance(slots_per_layer, bool):
-        slots_per_layer = [slots_per_layer] * L
-    slots = list(slots_per_layer)
+    """One int (any integer type, numpy's included) for every layer, or a list of L ints >= 0."""
+    try:
+        slots = [operator.index(slots_per_layer)] * L
+    except TypeError:
+        if isinstance(slots_per_layer, (str, bytes)) or not hasattr(slots_per_layer, "__iter__"):
+            raise ValueError(f"slots_per_layer={slots_per_layer!r}: give one int for every layer or a list of {L} "
+                             "ints") from None
+        slots = list(slots_per_layer)
+    if isinstance(slots_per_layer, bool) or any(isinstance(s, bool) or not hasattr(s, "__index__") for s in slots):
+        raise ValueError(f"slots_per_layer must hold non-negative ints, got {slots_per_layer!r}")
+    slots = [operator.index(s) for s in slots]
     if len(slots) != L:
         raise ValueError(f"slots_per_layer has {len(slots)} entries for {L} layers")
-    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in slots):
+    if any(s < 0 for s in slots):
         raise ValueError(f"slots_per_layer must hold non-negative ints, got {slots}")
     return slots
 
 
-def _combine(layer_counts: list[dict], slots: list[int], expert_bytes: int, has_phase: bool) -> ReplayResult:
-    total = {k: sum(c[k] for c in layer_counts) for k in _COUNTS}
-    per_layer = [dict(layer=l, slots=s, **_summarise(c, expert_bytes, has_phase))
-                 for l, (c, s) in enumerate(zip(layer_counts, slots))]
-    return ReplayResult(list(slots), _summarise(total, expert_bytes, has_phase), per_layer)
-
-
-def replay(
-    experts,
-    *,
-    slots_per_layer: Sequence[int] | int,
-    policy: PolicySpec = "lru",
-    predictions: Predictions | None = None,
-    phase: Tensor | None = None,
-    expert_bytes: int = 1,
-    policy_kw: dict | None = None,
-    prefetch_buffer: int = 0,
-    admit_prefetch: str = "on_load",
-) -> ReplayResult:
-    """Replay a routing trace through per-layer caches (semantics in the module docstring).
-
-    ``policy``: a name for ``policy_from_name`` ("belady" gets each layer's future) or a
-    factory ``capacity -> ReplacementPolicy``. ``predictions[t][l]``: ids predicted for layer
-    l of token t, or None (see ``predictions_from_rule`` / ``predictors.predict_trace``).
-    ``prefetch_buffer``: staging slots per layer for predicted experts the cache cannot take
-    (the runtime keeps ``top_k`` of them when it prefetches; 0 = the cache only).
-    """
-    uses, preds, phases, L, k, has_phase = _prepare(experts, predictions, phase)
-    slots = _slots(slots_per_layer, L)
-    kw = policy_kw or {}
-    pols = [_make_policy(policy, s, uses[l], kw) for l, s in enumerate(slots)]
-    probs = _router_probs(experts, L) if any(p.wants_scores for p in pols) else [None] * L
-    counts = [
-        _replay_layer(uses[l], None if preds is None else preds[l], phases, pols[l], prefetch_buffer, k,
-                      admit_prefetch, probs[l])
-        for l, s in enumerate(slots)
-    ]
-    return _combine(counts, slots, expert_bytes, has_phase)
-
-
-def sweep(
-    experts,
-    *,
-    boundaries: Sequence[int],
-    budgets: Sequence[int],
-    num_experts: int,
-    policy: PolicySpec = "arc",
-    predictions: Predictions | None = None,
-    phase: Tensor | None = None,
-    expert_bytes: int = 1,
-    allocation: Callable[[int], object] = ShallowFavoringAllocation,
-    policy_kw: dict | None = None,
-    prefetch_buffer: int = 0,
-    admit_prefetch: str = "on_load",
-    n_jobs: int = 1,
-) -> dict[str, list]:
+def sweep(experts, *, boundaries: Sequence[int], budgets: Sequence[int], num_experts: int,
+          policy: PolicySpec = "arc", predictions: Predictions | None = None, phase: Tensor | None = None,
+          expert_bytes: int = 1, allocation: Callable[[int], object] = ShallowFavoringAllocation,
+          policy_kw: dict | None = None, prefetch_buffer: int = 0, admit_prefetch: str = "on_load",
+          n_jobs: int = 1, max_replays: int = 200_000) -> dict[str, list]:
     """Replay every (shallow boundary L, cache_total) pair; columns of a table (``pd.DataFrame(out)``).
 
     ``budgets`` are ``cache_total`` slot counts; ``allocation(L)`` builds the allocator (Fate's
     shallow-favoring one by default). Layer results are cached per (layer, slots), so the grid
-    costs at most ``num_layers * (num_experts + 1)`` layer replays, which run in ``n_jobs`` processes
-    (joblib; -1: every core; a cluster user can wrap the call in ``joblib.parallel_backend("ray")``).
+    costs at most ``num_layers * (num_experts + 1)`` layer replays (refused above ``max_replays``), which run
+    in ``n_jobs`` processes (joblib; -1: every core; a cluster user can wrap the call in
+    ``joblib.parallel_backend("ray")``).
     """
-    uses, preds, phases, L, top_k, has_phase = _prepare(experts, predictions, phase)
+    uses, preds, phases, L, top_k, _ = _prepare(experts, predictions, phase)
     kw = policy_kw or {}
     pairs = sorted({(l, s) for b in boundaries for budget in budgets
                     for l, s in enumerate(allocation(b).allocate(budget, L, num_experts))})
+    _bound(len(pairs), max_replays, "sweep")
     memo = dict(zip(pairs, _parallel(n_jobs, [
         (uses[l], None if preds is None else preds[l], phases, policy, s, kw, prefetch_buffer, top_k, admit_prefetch)
         for l, s in pairs])))
@@ -286,50 +302,68 @@ def sweep(
         alloc = allocation(b)
         for budget in budgets:
             slots = alloc.allocate(budget, L, num_experts)
-            counts = []
+            tot = {p: PhaseStats() for p in PHASES}
             for l, s in enumerate(slots):
-                counts.append(memo[(l, s)])
-            r = _combine(counts, slots, expert_bytes, has_phase).overall
+                for p in PHASES:
+                    tot[p].add(memo[(l, s)][p])
+            both = PhaseStats()
+            both.add(tot["prefill"])
+            both.add(tot["decode"])
             cols["boundary"].append(b)
             cols["cache_total"].append(budget)
             cols["slots"].append(slots)
-            for k in list(cols)[3:]:
-                cols[k].append(r[k])
+            cols["hit_rate"].append(both.hit_rate if both.uses else None)
+            cols["hit_rate_prefill"].append(tot["prefill"].hit_rate if tot["prefill"].uses else None)
+            cols["hit_rate_decode"].append(tot["decode"].hit_rate if tot["decode"].uses else None)
+            cols["misses"].append(both.uses - both.hits)
+            cols["bytes_moved"].append(both.bytes_moved * expert_bytes)
+            cols["prefetch_loads"].append(both.prefetch_issued)
+            cols["prefetch_wasted"].append(both.prefetch_wasted)
     return cols
 
 
-def miss_curves(
-    experts,
-    num_experts: int,
-    *,
-    policy: PolicySpec = "lru",
-    predictions: Predictions | None = None,
-    policy_kw: dict | None = None,
-    prefetch_buffer: int = 0,
-    admit_prefetch: str = "on_load",
-    n_jobs: int = 1,
-) -> list[list[int]]:
+def miss_curves(experts, num_experts: int, *, policy: PolicySpec = "lru", predictions: Predictions | None = None,
+                policy_kw: dict | None = None, prefetch_buffer: int = 0, admit_prefetch: str = "on_load",
+                n_jobs: int = 1, max_replays: int = 200_000) -> list[list[int]]:
     """``curves[l][c]`` = misses of layer l with c slots (c = 0..E), prefetching included.
 
     Feed to ``allocation.MissCurveAllocation`` to allocate for the policy and predictor in use.
-    The L x (E + 1) layer replays run in ``n_jobs`` processes (joblib; -1: every core).
+    The L x (E + 1) layer replays (refused above ``max_replays``) run in ``n_jobs`` processes (joblib; -1:
+    every core).
     """
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r}: give the experts per layer, an int >= 1")
     uses, preds, phases, L, k, _ = _prepare(experts, predictions, None)
+    top = max((max(max(r) for r in u) for u in uses if u), default=-1)
+    if top >= num_experts:
+        raise ValueError(f"num_experts={num_experts} but the trace routes to expert {top}: give the trace's expert "
+                         f"count (at least {top + 1})")
+    _bound(L * (num_experts + 1), max_replays, "miss_curves")
     kw = policy_kw or {}
     jobs = [(uses[l], None if preds is None else preds[l], phases, policy, c, kw, prefetch_buffer, k, admit_prefetch)
             for l in range(L) for c in range(num_experts + 1)]
     res = _parallel(n_jobs, jobs)
-    return [[r["uses"] - r["hits"] for r in res[l * (num_experts + 1):(l + 1) * (num_experts + 1)]] for l in range(L)]
+    E1 = num_experts + 1
+    return [[sum(r[p].uses - r[p].hits for p in PHASES) for r in res[l * E1:(l + 1) * E1]] for l in range(L)]
 
 
-def _one(uses, preds, phases, policy, capacity, kw, buffer, top_k, admit) -> dict[str, int]:
+def _bound(n: int, limit: int, what: str) -> None:
+    if n > limit:
+        raise ValueError(f"{what} would start {n:,} layer replays, above max_replays={limit:,}; sample fewer "
+                         f"budgets or layers, or raise max_replays if you mean it")
+
+
+def _one(uses, preds, phases, policy, capacity, kw, buffer, top_k, admit) -> LayerStats:
     return _replay_layer(uses, preds, phases, _make_policy(policy, capacity, uses, kw), buffer, top_k, admit)
 
 
-def _parallel(n_jobs: int, jobs: list[tuple]) -> list[dict]:
+def _parallel(n_jobs: int, jobs: list[tuple]) -> list[LayerStats]:
     """Layer replays in order, in n_jobs joblib workers (1: here, no processes)."""
     if n_jobs == 1 or len(jobs) < 2:
         return [_one(*j) for j in jobs]
     from joblib import Parallel, delayed
 
     return Parallel(n_jobs=n_jobs)(delayed(_one)(*j) for j in jobs)
+
+
+__all__ = ["predictions_from_rule", "replay", "sweep", "miss_curves", "trace_shape"]

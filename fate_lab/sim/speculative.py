@@ -5,7 +5,7 @@ What this file is:
     generation (HF, constant window w) runs on each prompt of a recorded trace: the prefill of the
     prompt together with the first w proposals, then verify steps of ``1 + c`` tokens (the last
     accepted token and c = min(w, tokens left - 1) proposals), each producing ``accepted + 1`` tokens;
-  - ``simulate_speculative(...)``: those forwards through ``simulate._Sim`` (the runtime's own
+  - ``simulate_speculative(...)``: those forwards through ``simulate.Simulator`` (the runtime's own
     cache, layer step and predictor on a simulated link), with the draft's time between forwards;
   - ``union_sizes`` and ``pick_window``: a roofline over windows -- per verify step, the link time
     of the experts the step's tokens need (their union per layer, minus the cache's hits) against
@@ -37,10 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fate_lab.core.config import OffloadConfig
+from fate_lab.core.shape import ModelShape
+from fate_lab.hardware.setups import Hardware
 from fate_lab.model.trace import PREFILL, Trace
-from fate_lab.offloading.config import OffloadConfig
-from fate_lab.offloading.stats import RuntimeStats
-from fate_lab.sim.simulate import Hardware, ModelShape, _Sim
+from fate_lab.policy.stats import RunStats
+from fate_lab.sim.simulate import Simulator, check_trace
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ def verify_steps(trace: Trace, window: int, matches: torch.Tensor | None = None,
 class SpecSimResult:
     """What `simulate_speculative` returns: the runtime's stats type plus the speculative counts."""
 
-    stats: RuntimeStats
+    stats: RunStats
     window: int
     steps: list[VerifyStep]
     ttft_s: float  # mean time of a prompt's first forward (prompt + first proposals), draft included
@@ -186,24 +188,15 @@ def simulate_speculative(trace: Trace, config: OffloadConfig, hardware: Hardware
                          matches: torch.Tensor | None = None, acceptance: float | None = None,
                          draft_token_s: float = 0.0, miss_curves=None) -> SpecSimResult:
     """Run `config` over the trace's assisted-generation forwards (`verify_steps`) on `hardware`."""
-    if not isinstance(config, OffloadConfig):
-        raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
-    if trace.num_layers != shape.num_moe_layers or trace.top_k != shape.top_k:
-        raise ValueError(f"the trace has {trace.num_layers} MoE layers x top-{trace.top_k}, the shape "
-                         f"{shape.num_moe_layers} x top-{shape.top_k}")
-    needs_gate = config.predictor == "cross_layer_gate"
-    if needs_gate and (trace.gate_inputs is None or trace.router_weights is None):
-        raise ValueError("the cross-layer gate predictor needs a trace with gate inputs and router weights "
-                         "(record it with record_trace)")
+    router = check_trace(trace, config, shape)
     steps = verify_steps(trace, window, matches, acceptance)
-    sim = _Sim(config, hardware, shape, curves=miss_curves)
-    gi = trace.gate_inputs.float() if needs_gate else None  # (N, M, H)
-    rw = [w.float() for w in trace.router_weights] if needs_gate else None
+    sim = Simulator(config, hardware, shape, router=router, miss_curves=miss_curves)
+    gi = trace.gate_inputs.float() if router is not None else None  # (N, M, H)
     first_s, decode_s, decode_tokens = [], 0.0, 0
     for s in steps:
         draft = s.proposed * draft_token_s  # the draft proposes before the target verifies
-        sim.now += draft
-        dt = sim.forward(trace.experts[s.start:s.end], None if gi is None else gi[s.start:s.end], rw, phase=s.phase)
+        sim.advance(draft)
+        dt = sim.forward(trace.experts[s.start:s.end], None if gi is None else gi[s.start:s.end], phase=s.phase)
         if s.phase == "prefill":
             first_s.append(dt + draft)
         else:
@@ -244,8 +237,9 @@ def pick_window(union: list[float], shape: ModelShape, hardware: Hardware, accep
     """
     if not 0 <= hit_rate <= 1 or not 0 <= acceptance <= 1:
         raise ValueError(f"hit_rate and acceptance must lie in [0, 1], got {hit_rate} and {acceptance}")
+    hardware = hardware.for_model(shape.nbytes(None))
     comp, M, K = hardware.compute, shape.num_moe_layers, shape.top_k
-    t_x = 0.0 if hardware.link is None else hardware.link.transfer_time(shape.nbytes(None))
+    t_x = hardware.transfer_s(shape.nbytes(None))
     rows = []
     for w in windows:
         T = w + 1

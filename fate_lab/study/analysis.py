@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from fate_lab.policy.predictors import scores_from_logits
+from fate_lab.policy.rules import scores_from_logits
 
 
 def _phase_masks(n: int, phase: Tensor | None) -> dict[str, Tensor]:

@@ -24,21 +24,15 @@ def _greedy_ids(model, ids: list[int], new_tokens: int) -> list[int]:
 
 def runtime_row(model, prompts: list[list[int]], config, new_tokens: int, reference: list[list[int]] | None = None
                 ) -> dict:
-    """One config in the runtime: greedy generate of every prompt, the runtime's counters summed."""
+    """One config in the runtime: greedy generate of every prompt, its `RunStats.row` (and whether the tokens
+    equal the plain model's `reference`)."""
     from fate_lab.offloading.runtime import offload
 
     with offload(model, config) as rt:
         _greedy_ids(model, prompts[0][:8], 3)  # warm-up (its counters are dropped)
         rt.reset_stats()
         outs = [_greedy_ids(model, p, new_tokens) for p in prompts]
-        s = rt.stats.summary()
-        pre, dec = rt.stats.forward_s["prefill"], rt.stats.forward_s["decode"]
-        expert_bytes = rt.expert_bytes
-    d, n = s["decode"], max(1, len(dec))
-    row = {"decode tok/s": len(dec) / sum(dec) if dec else float("nan"),
-           "TTFT (ms)": 1e3 * sum(pre) / max(1, len(pre)), "hit rate decode": d["hit_rate"],
-           "experts moved per token": d["bytes_moved"] / expert_bytes / n,
-           "stall (ms/token)": 1e3 * d["stall_s"] / n, "host calls per token": d["host"] / n}
+        row = rt.stats.row(config.name)
     if reference is not None:
         row["same tokens as plain"] = outs == reference
     return row
@@ -52,9 +46,10 @@ def side_by_side(model, tokenizer, prompts: list[str], configs: dict, link: str 
     from tqdm.auto import tqdm
 
     from fate_lab.model.adapters import adapt
-    from fate_lab.model.trace import record_trace
-    from fate_lab.sim.simulate import ModelShape, simulate
-    from fate_lab.sim.whatif import machine_hardware
+    from fate_lab.model.record import record_trace
+    from fate_lab.core.shape import ModelShape
+    from fate_lab.sim.simulate import simulate
+    from fate_lab.study.whatif import machine_hardware
 
     ids = [tokenizer(p)["input_ids"][:max_prompt_tokens] for p in prompts]
     if not ids or any(len(i) < 2 for i in ids):
@@ -74,7 +69,7 @@ def side_by_side(model, tokenizer, prompts: list[str], configs: dict, link: str 
             res = simulate(trace, cfg, hw, shape)
             row["simulated tok/s"] = res.decode_tok_s
             row["sim / runtime"] = res.decode_tok_s / row["decode tok/s"]
-            row["simulated hit rate"] = res.stats.summary()["decode"]["hit_rate"]
+            row["simulated hit rate"] = res.hit_rate("decode")
         rows.append(row)
     return pd.DataFrame(rows).set_index("config")
 
@@ -99,7 +94,7 @@ def replacement_table(trace, shape, hardware, shares=(0.25, 0.5), policies=REPLA
     """Decode hit rate of each replacement policy, with Belady's offline bound: in the replay (the cache
     alone, uniform slots, no prefetch) and in the simulator running fate's pipeline with only the
     replacement changed (predicted decode tok/s beside). One row per (view, share)."""
-    from fate_lab.offloading.config import OffloadConfig
+    from fate_lab.core.config import OffloadConfig
     from fate_lab.sim.replay import replay
     from fate_lab.sim.simulate import simulate
 
@@ -107,13 +102,13 @@ def replacement_table(trace, shape, hardware, shares=(0.25, 0.5), policies=REPLA
     rows = []
     for share in shares:
         per_layer = int(total * share) // shape.num_moe_layers
-        hit = {p: replay(trace, slots_per_layer=per_layer, policy=p).overall["hit_rate_decode"]
+        hit = {p: replay(trace, slots_per_layer=per_layer, policy=p).hit_rate("decode")
                for p in (*policies, "belady")}
         rows.append({"view": "replay (cache only)", "cached": share, **hit})
         sims = {p: simulate(trace, OffloadConfig.preset("fate", slots=int(total * share), replacement=p), hardware,
                             shape) for p in policies}
         rows.append({"view": "simulator (fate pipeline)", "cached": share,
-                     **{p: r.stats.summary()["decode"]["hit_rate"] for p, r in sims.items()},
+                     **{p: r.hit_rate("decode") for p, r in sims.items()},
                      **{f"{p} tok/s": r.decode_tok_s for p, r in sims.items()}})
     df = pd.DataFrame(rows)
     best = df[list(policies)].idxmax(axis=1)

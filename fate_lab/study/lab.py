@@ -76,7 +76,8 @@ def get_trace(model: str | Path | None = None, fast: bool = False, cache: bool =
     (for anything that is tuned on a trace, such as the miss-curve allocation).
     """
     from fate_lab.model.corpus import heldout_prompts
-    from fate_lab.model.trace import Trace, record_trace
+    from fate_lab.model.trace import Trace
+    from fate_lab.model.record import record_trace
 
     if split not in ("eval", "calib"):
         raise ValueError(f"split must be 'eval' or 'calib', not {split!r}")
@@ -101,8 +102,8 @@ def presets_for(model: str | Path | None, names) -> list[str]:
     """The presets of ``names`` the model can run. A preset that needs a file the model's folder lacks
     (``fate_learned``: the learned probes; ``substitute``: the expert similarity table) is left out,
     and named with the command that makes the file: nothing is swapped for something else silently."""
-    from fate_lab.offloading.config import OffloadConfig
-    from fate_lab.policy.learned import PROBES_FILE
+    from fate_lab.core.config import OffloadConfig
+    from fate_lab.policy.probes import PROBES_FILE
     from fate_lab.policy.similarity import SIMILARITY_FILE
 
     folder = model_path(model)
@@ -110,9 +111,9 @@ def presets_for(model: str | Path | None, names) -> list[str]:
     for name in names:
         cfg = OffloadConfig.preset(name)
         if cfg.predictor == "learned_gate" and cfg.probes is None and not (folder / PROBES_FILE).is_file():
-            skipped.append(f"{name} (no {PROBES_FILE}: python -m fate_lab.policy.learned --fit --model {folder})")
+            skipped.append(f"{name} (no {PROBES_FILE}: python -m fate_lab fit-probes --model {folder})")
         elif cfg.lossy == "substitute" and cfg.similarity is None and not (folder / SIMILARITY_FILE).is_file():
-            skipped.append(f"{name} (no {SIMILARITY_FILE}: python -m fate_lab.policy.similarity --model {folder})")
+            skipped.append(f"{name} (no {SIMILARITY_FILE}: python -m fate_lab fit-similarity --model {folder})")
         else:
             keep.append(name)
     if skipped:

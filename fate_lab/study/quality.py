@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fate_lab.offloading.config import OffloadConfig
-from fate_lab.offloading.hookup import is_offloaded
+from fate_lab.core.config import OffloadConfig
+from fate_lab.model.adapters import is_offloaded
 from fate_lab.offloading.runtime import offload
 
 
@@ -220,7 +220,7 @@ def _equal_memory(model: nn.Module, kind: str, over: dict) -> dict:
     if kind != "standin" or over.get("slots") is None:
         return over
     from fate_lab.model.adapters import adapt
-    from fate_lab.offloading.slots import standin_pool_bytes
+    from fate_lab.core.sizing import standin_pool_bytes
 
     a = adapt(model)
     pool = standin_pool_bytes(a.num_moe_layers, a.num_experts, (2 * a.expert_intermediate_size, a.hidden_size),
@@ -240,7 +240,7 @@ def sweep_lossy(model: nn.Module, tokenizer, thresholds: dict[str, list[float]],
 
     import pandas as pd
 
-    from fate_lab.offloading.links import LINK_PROFILES
+    from fate_lab.hardware.setups import is_scaled
     from fate_lab.offloading.runtime import calibrate_layer_time
 
     unknown = set(thresholds) - set(LOSSY_PRESET)
@@ -249,7 +249,7 @@ def sweep_lossy(model: nn.Module, tokenizer, thresholds: dict[str, list[float]],
     over: dict = {"link": link}
     if slots is not None:
         over.update(slots=slots, budget=None)
-    if link not in LINK_PROFILES and link != "instant":
+    if is_scaled(link):
         over["layer_compute_s"] = calibrate_layer_time(model, steps=24)  # one link for every row
     windows, prompts = heldout_inputs(tokenizer, n_tokens=n_tokens, seq_len=min(256, n_tokens), n_prompts=n_prompts)
     ref = reference_outputs(model, windows, prompts, decode_tokens, progress=progress)

@@ -36,9 +36,10 @@ import torch
 from tqdm.auto import tqdm
 
 from fate_lab.model.trace import Trace
-from fate_lab.offloading.config import OffloadConfig
+from fate_lab.core.config import OffloadConfig
 from fate_lab.offloading.runtime import Runtime, offload
-from fate_lab.sim.simulate import Hardware, ModelShape
+from fate_lab.hardware.setups import Hardware
+from fate_lab.core.shape import ModelShape
 from fate_lab.sim.speculative import (
     per_token_acceptance,
     pick_window,
@@ -332,3 +333,26 @@ def window_explorer(trace: Trace, config: OffloadConfig, hardware: Hardware, sha
     window.observe(_draw, names="value")
     _draw()
     return box
+
+
+def measure_card_acceptance(out_dir, target_dir=None, prompts: int = 8, new_tokens: int = 48,
+                            window: int = 4) -> dict:
+    """Measure the saved draft's acceptance against the target and add it to the card."""
+    import json
+    from pathlib import Path
+
+    from fate_lab.fit.draft import write_card
+    from fate_lab.model.corpus import heldout_prompts
+    from fate_lab.model.draft import load_draft
+    from fate_lab.model.models import load_model
+
+    target, tok = load_model(target_dir)  # None: the default embedded model, the draft's target
+    draft, _ = load_draft(out_dir)
+    ids = [tok(t, return_tensors="pt")["input_ids"] for t in heldout_prompts(prompts)]
+    row = acceptance_run(target, draft, ids, window=window, max_new_tokens=new_tokens)
+    acc = {"window": window, "prompts": prompts, "new_tokens": new_tokens, "acceptance": round(row["acceptance"], 4),
+           "tokens_per_verify": round(row["tokens_per_forward"], 3)}
+    card = json.loads((Path(out_dir) / "training.json").read_text())
+    card["acceptance"] = acc
+    write_card(Path(out_dir), card)
+    return acc

@@ -1,20 +1,19 @@
-"""Interactive explorers for the notebooks, and the ordinary functions behind them.
+"""Interactive explorers for the notebooks: each wires sliders and dropdowns to a function of `tables.py`.
 
-What it is: for each widget, a plain function (``prefetch_table``, ``cache_table``,
-``cache_grid``) that computes the table it shows from a trace — tests call these without a
-browser — and a one-call ``*_explorer(trace)`` that wires sliders/dropdowns to it.
-What it is not: a place for metrics; the numbers come from ``predictors`` and ``replay``.
+What it is: a one-call ``*_explorer(...)`` per notebook widget, and the maps from what a reader picks (a
+label) to the objects the table functions take (`make_rule` -> a `SelectionRule`, `cache_config` -> an
+`OffloadConfig`). Every number shown comes from `fate_lab.study.tables`, which tests call without a browser;
+each explorer's returned box keeps what it drew last in ``box.rendered``.
+What it is not: a place for tables or metrics.
 """
 from __future__ import annotations
 
 import pandas as pd
-import torch
 
+from fate_lab.core.config import OffloadConfig
 from fate_lab.model.trace import Trace
-from fate_lab.model.trace import cross_layer_scores as trace_scores
-from fate_lab.policy import predictors as P
-from fate_lab.policy.allocation import allocation_from_name
-from fate_lab.sim.replay import miss_curves, predictions_from_rule, replay, sweep
+from fate_lab.policy.rules import Percentile, SelectionRule, rule_from_name
+from fate_lab.study import tables
 
 # Rule choices shown to a reader: label -> (rule name, parameter name, default, (min, max, step)).
 # An int default marks an integer parameter (IntSlider), a float one a real parameter
@@ -33,7 +32,7 @@ PARAM_LABELS = {"alpha": "extra experts α", "q": "percentile q (%)", "p": "cumu
 _PARAM_CAPTIONS = {"alpha": "α = {:d}", "q": "q = {:g}%", "p": "p = {:.2f}", "n": "n = {:d} experts"}
 
 
-def make_rule(trace: Trace, label: str, value=None) -> P.SelectionRule:
+def make_rule(trace: Trace, label: str, value=None) -> SelectionRule:
     """The selection rule a reader picked by label, with its parameter (k comes from the trace).
 
     ``value`` None takes the rule's default; an integer parameter (α, n) refuses a fractional value
@@ -53,7 +52,7 @@ def make_rule(trace: Trace, label: str, value=None) -> P.SelectionRule:
             kwargs[param] = int(v)
         else:
             kwargs[param] = float(v)
-    return P.rule_from_name(name, **kwargs)
+    return rule_from_name(name, **kwargs)
 
 
 def rule_parameter(trace: Trace, label: str) -> dict | None:
@@ -105,29 +104,6 @@ def _set_bounds(slider, lo, hi, step, value) -> None:
     slider.value = value
 
 
-_scores_cache: dict[int, torch.Tensor] = {}
-
-
-def cross_layer_scores(trace: Trace) -> torch.Tensor:
-    """Cross-layer predicted scores ``[N, L-1, E]`` of a trace, computed once per trace object."""
-    key = id(trace)
-    if key not in _scores_cache:
-        _scores_cache.clear()
-        _scores_cache[key] = trace_scores(trace)
-    return _scores_cache[key]
-
-
-def prefetch_table(trace: Trace, label: str = "percentile (paper: q=75)", value=None, phase: str = "decode") -> pd.DataFrame:
-    """Per-layer prefetch recall, precision and mean set size of one rule (``phase``: decode/prefill/all)."""
-    rule = make_rule(trace, label, value)
-    res = P.evaluate_rule(cross_layer_scores(trace), trace.experts, rule, trace.phase)[phase]
-    if res is None or not res.get("per_layer"):
-        raise ValueError(f"the trace has no {phase} tokens")
-    df = pd.DataFrame(res["per_layer"])
-    df.insert(0, "rule", repr(rule))
-    return df
-
-
 def prefetch_explorer(trace: Trace):
     """Dropdown (rule) + slider (its parameter) -> per-layer recall/precision/set-size plot and table.
 
@@ -170,7 +146,7 @@ def prefetch_explorer(trace: Trace):
     def _draw():
         _, active = _active()
         v = None if active is None else active.value
-        df = prefetch_table(trace, rule.value, v, phase.value)
+        df = tables.prefetch_table(trace, make_rule(trace, rule.value, v), phase.value)
         title = (f"{rule_caption(trace, rule.value, v)} ({phase.value}): mean set size "
                  f"{df['mean_set_size'].mean():.1f} of {trace.num_experts} experts")
         long = df.melt(id_vars=["layer"], value_vars=["recall", "precision"], var_name="metric")
@@ -202,83 +178,31 @@ def prefetch_explorer(trace: Trace):
 PREDICTOR_CHOICES = ("none (cache only)", "cross-layer top-k", "cross-layer percentile 75", "oracle")
 
 
-def predictions_for(trace: Trace, predictor: str):
-    """Per-token predicted ids for a replay, for one of ``PREDICTOR_CHOICES`` (None: no prefetch)."""
-    if predictor == "none (cache only)":
-        return None
-    if predictor == "cross-layer top-k":
-        return predictions_from_rule(cross_layer_scores(trace), P.TopK(trace.top_k))
-    if predictor == "cross-layer percentile 75":
-        return predictions_from_rule(cross_layer_scores(trace), P.Percentile(75.0))
-    if predictor == "oracle":
-        ex = trace.experts.tolist()
-        return [[None] + [ex[t][l] for l in range(1, trace.num_layers)] for t in range(trace.num_tokens)]
-    raise ValueError(f"unknown predictor {predictor!r}; choose one of {PREDICTOR_CHOICES}")
-
-
-_pred_cache: dict[tuple, object] = {}
-
-
-def _buffer(trace: Trace, predictor: str) -> int:
-    """Staging slots for prefetches, as the runtime keeps them: top_k when prefetching, else none."""
-    return 0 if predictor == "none (cache only)" else trace.top_k
-
-
-def _predictions(trace: Trace, predictor: str):
-    key = (id(trace), predictor)
-    if key not in _pred_cache:
-        if len(_pred_cache) > 8:
-            _pred_cache.clear()
-        _pred_cache[key] = predictions_for(trace, predictor)
-    return _pred_cache[key]
-
-
+PREDICTOR_CHOICES = ("none (cache only)", "cross-layer top-k", "cross-layer percentile 75", "oracle")
 ALLOCATION_CHOICES = ("shallow", "uniform", "miss_curve")
-ADMIT = "on_use"  # the replay admits prefetched experts as the `fate` preset does: when they are used
 
 
-def make_allocation(allocation: str, boundary: int, calibration: Trace | None = None,
-                    replacement: str = "arc", predictor: str = "cross-layer percentile 75"):
-    """An allocator by name; ``miss_curve`` is calibrated on a *different* trace (``calibration``)."""
-    if allocation == "shallow":
-        return allocation_from_name("shallow", shallow_layers=boundary)
-    if allocation == "uniform":
-        return allocation_from_name("uniform")
-    if allocation == "miss_curve":
-        if calibration is None:
-            raise ValueError("the miss_curve allocation needs a calibration trace (a different trace "
-                             "than the one replayed, e.g. lab.get_trace(MODEL, split='calib'))")
-        key = (id(calibration), "curves", replacement, predictor)
-        if key not in _pred_cache:
-            _pred_cache[key] = miss_curves(calibration.experts, calibration.num_experts, policy=replacement,
-                                           predictions=_predictions(calibration, predictor),
-                                           prefetch_buffer=_buffer(calibration, predictor), admit_prefetch=ADMIT)
-        return allocation_from_name("miss_curve", curves=_pred_cache[key])
-    raise ValueError(f"unknown allocation {allocation!r}; choose one of {ALLOCATION_CHOICES}")
+def cache_config(allocation: str, boundary: int, cache_total: int, replacement: str = "arc",
+                 predictor: str = "cross-layer percentile 75") -> tuple[OffloadConfig, bool]:
+    """The config (prefetching as the `fate` preset admits: on use) and the oracle flag a reader's choices name."""
+    if predictor not in PREDICTOR_CHOICES:
+        raise ValueError(f"unknown predictor {predictor!r}; choose one of {PREDICTOR_CHOICES}")
+    if allocation not in ALLOCATION_CHOICES:
+        raise ValueError(f"unknown allocation {allocation!r}; choose one of {ALLOCATION_CHOICES}")
+    rule = {"cross-layer top-k": None, "cross-layer percentile 75": Percentile(75.0)}.get(predictor)
+    cfg = OffloadConfig("explorer", slots=cache_total, allocation=allocation, shallow_layers=boundary,
+                        replacement=replacement, admit_prefetch="on_use", link="instant",
+                        predictor=None if predictor in ("none (cache only)", "oracle") else "cross_layer_gate",
+                        rule=rule)
+    return cfg, predictor == "oracle"
 
 
 def cache_table(trace: Trace, boundary: int, cache_total: int, allocation: str = "shallow",
                 replacement: str = "arc", predictor: str = "cross-layer percentile 75",
                 calibration: Trace | None = None) -> pd.DataFrame:
-    """Per-layer slots and hit rates of one cache configuration, replayed on the trace."""
-    alloc = make_allocation(allocation, boundary, calibration, replacement, predictor)
-    slots = alloc.allocate(cache_total, trace.num_layers, trace.num_experts)
-    res = replay(trace.experts, slots_per_layer=slots, policy=replacement, predictions=_predictions(trace, predictor),
-                 phase=trace.phase, prefetch_buffer=_buffer(trace, predictor), admit_prefetch=ADMIT)
-    df = pd.DataFrame(res.per_layer)
-    df.attrs["overall"] = res.overall
-    return df
-
-
-def cache_grid(trace: Trace, boundaries, budgets, replacement: str = "arc",
-               predictor: str = "cross-layer percentile 75", phase: str = "decode") -> pd.DataFrame:
-    """Hit rate over a grid of shallow boundary L x cache_total (rows L, columns budget)."""
-    cols = sweep(trace.experts, boundaries=list(boundaries), budgets=list(budgets), num_experts=trace.num_experts,
-                 policy=replacement, predictions=_predictions(trace, predictor), phase=trace.phase,
-                 prefetch_buffer=_buffer(trace, predictor), admit_prefetch=ADMIT)
-    df = pd.DataFrame(cols)
-    key = "hit_rate" if phase == "all" else f"hit_rate_{phase}"
-    return df.pivot(index="boundary", columns="cache_total", values=key)
+    """`tables.cache_table` of the config a reader's choices name."""
+    cfg, oracle = cache_config(allocation, boundary, cache_total, replacement, predictor)
+    return tables.cache_table(trace, cfg, calibration, oracle=oracle)
 
 
 def cache_explorer(trace: Trace, calibration: Trace | None = None, hardware=None, shape=None):
@@ -309,8 +233,8 @@ def cache_explorer(trace: Trace, calibration: Trace | None = None, hardware=None
             o = df.attrs["overall"]
             speed = ""
             if hardware is not None and shape is not None:
-                speed = "\n" + simulated_speed(trace, alloc.value, boundary.value, repl.value, pred.value, budget.value,
-                                               hardware, shape, calibration)
+                speed = "\n" + _speed_line(trace, alloc.value, boundary.value, repl.value, pred.value, budget.value,
+                                           hardware, shape, calibration)
             boundary.disabled = alloc.value != "shallow"  # L only means something to the shallow allocation
             long = df.melt(id_vars=["layer"], value_vars=["hit_rate_prefill", "hit_rate_decode"], var_name="phase")
             long["phase"] = long["phase"].map({"hit_rate_prefill": "prefill", "hit_rate_decode": "decode"})
@@ -330,35 +254,17 @@ def cache_explorer(trace: Trace, calibration: Trace | None = None, hardware=None
     return W.VBox([W.HBox([boundary, budget]), W.HBox([alloc, repl, pred]), out])
 
 
-def simulated_speed(trace: Trace, allocation: str, boundary: int, replacement: str, predictor: str, slots: int,
-                    hardware, shape, calibration: Trace | None = None) -> str:
+def _speed_line(trace: Trace, allocation: str, boundary: int, replacement: str, predictor: str, slots: int,
+                hardware, shape, calibration: Trace | None = None) -> str:
     """One line: the timed simulator's decode hit rate and tok/s for a cache explorer's setting."""
-    from fate_lab.sim.whatif import config_for, sim_row
+    from fate_lab.study.whatif import config_for
 
     if replacement == "belady" or predictor == "oracle":
         return "simulator: Belady and the oracle need the future (replay only)"
-    row = sim_row(trace, config_for(allocation, boundary, replacement, predictor, slots, calibration), hardware, shape)
-    return (f"simulated on {hardware.compute.name}: decode hit {row['hit rate decode']:.3f}, "
-            f"{row['predicted decode tok/s']:.1f} tok/s, stall {row['stall (ms/token)']:.1f} ms/token")
-
-
-def decode_point(model, input_ids, boundary: int, cache_share: float, new_tokens: int = 16,
-                 link: str = "qwen15_moe_rtx3090_pcie3", preset: str = "fate",
-                 layer_compute_s: float | None = None) -> dict:
-    """One real offloaded decode (``preset`` with shallow boundary L and a cache share): its stats row.
-
-    Pass the same ``layer_compute_s`` to every call that a table compares: the scaled link is then
-    the same for every row (None calibrates it now, which a shared machine makes noisy).
-    """
-    from fate_lab.model.adapters import adapt
-    from fate_lab.study.bench import run_preset
-
-    if not 0.0 <= cache_share <= 1.0:
-        raise ValueError(f"cache_share must lie in [0, 1], got {cache_share}")
-    ad = adapt(model)
-    slots = int(round(cache_share * ad.num_moe_layers * ad.num_experts))
-    return run_preset(model, input_ids, preset, new_tokens, slots=slots, shallow_layers=boundary, link=link,
-                      layer_compute_s=layer_compute_s)["row"]
+    row = tables.simulated_speed(trace, config_for(allocation, boundary, replacement, predictor, slots, calibration),
+                                 hardware, shape)
+    return (f"simulated on {hardware.compute.name}: decode hit {row['decode hit rate']:.3f}, "
+            f"{row['decode tok/s']:.1f} tok/s, stall {row['stall (ms/token)']:.1f} ms/token")
 
 
 def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_moe_rtx3090_pcie3", tokenizer=None):
@@ -367,10 +273,10 @@ def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_
     import ipywidgets as W
     from IPython.display import display
 
+    from fate_lab.core.shape import ModelShape
     from fate_lab.model.adapters import adapt
-    from fate_lab.model.trace import record_trace
-    from fate_lab.sim.simulate import ModelShape
-    from fate_lab.sim.whatif import machine_hardware, sim_row
+    from fate_lab.model.record import record_trace
+    from fate_lab.study.whatif import machine_hardware
 
     ad = adapt(model)
     M, E = ad.num_moe_layers, ad.num_experts
@@ -395,19 +301,14 @@ def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_
         try:
             with out:
                 out.clear_output(wait=True)
-                row = decode_point(model, input_ids, boundary.value, share.value, new_tokens, link,
-                                   layer_compute_s=layer_s)
-                table = pd.DataFrame({"measured (runtime)": row}).drop(index=["preset", "slots"])
+                cfg = OffloadConfig.preset("fate", slots=int(round(share.value * M * E)), shallow_layers=boundary.value,
+                                           link=link, layer_compute_s=layer_s)
+                keys = ["decode tok/s", "TTFT (ms)", "decode hit rate", "prefill hit rate", "stall (ms/token)"]
+                row = tables.decode_point(model, input_ids, cfg, new_tokens)
+                table = pd.DataFrame({"measured (runtime)": {k: row[k] for k in keys}})
                 if trace is not None:
-                    from fate_lab.offloading.config import OffloadConfig
-
-                    cfg = OffloadConfig.preset("fate", slots=int(round(share.value * M * E)),
-                                               shallow_layers=boundary.value)
-                    sim = sim_row(trace, cfg, hw, shape)
-                    table["predicted (simulator)"] = pd.Series({
-                        "decode tok/s": sim["predicted decode tok/s"], "TTFT (ms)": sim["predicted TTFT (ms)"],
-                        "hit rate decode": sim["hit rate decode"], "hit rate prefill": sim["hit rate prefill"],
-                        "stall decode (ms/token)": sim["stall (ms/token)"]})
+                    sim = tables.simulated_speed(trace, cfg, hw, shape)
+                    table["predicted (simulator)"] = pd.Series({k: sim[k] for k in keys})
                 display(table)
         finally:
             status.value = f"link: {link} (calibrated once: layer {layer_s * 1e3:.3f} ms)"
@@ -419,35 +320,15 @@ def decode_explorer(model, input_ids, new_tokens: int = 16, link: str = "qwen15_
     return W.VBox([W.HBox([boundary, share]), status, out])
 
 
-def host_table(trace: Trace, shape, hardware, slots: int, profile: str = "desktop_ddr4", speed: float = 1.0,
-               presets=("fate", "host_compute", "static_host", "all_host")) -> pd.DataFrame:
-    """The simulator's decode tok/s of each preset with the host CPU `profile` made `speed` times faster."""
-    import dataclasses
-
-    from fate_lab.offloading.config import OffloadConfig
-    from fate_lab.sim.whatif import sim_row
-
-    if speed <= 0:
-        raise ValueError(f"host speed must be > 0, got {speed}")
-    ref = hardware.host_ref or (shape.nbytes(None), shape.expert_flops(), 1.0)
-    hw = dataclasses.replace(hardware, host_ref=(ref[0], ref[1], ref[2] / speed))
-    rows = [sim_row(trace, OffloadConfig.preset(p, slots=slots, host_profile=profile), hw, shape) for p in presets]
-    df = pd.DataFrame(rows).set_index("config")
-    df["speed vs fate"] = df["predicted decode tok/s"] / df.loc["fate", "predicted decode tok/s"] if "fate" in df.index \
-        else float("nan")
-    return df[["predicted decode tok/s", "speed vs fate", "hit rate decode", "experts moved per token",
-               "stall (ms/token)"]]
-
-
 def host_explorer(trace: Trace, shape, hardware, slots: int):
-    """Dropdown (host CPU profile) and slider (its speed, x) -> the simulator's table of `host_table`.
+    """Dropdown (host CPU profile) and slider (its speed, x) -> the simulator's table of `tables.host_table`.
 
     The returned box's ``rendered`` dict holds the last table drawn, so a test can read it without a browser.
     """
     import ipywidgets as W
     from IPython.display import display
 
-    from fate_lab.offloading.host import HOST_PROFILES
+    from fate_lab.hardware.hosts import HOST_PROFILES
 
     profile = W.Dropdown(options=sorted(HOST_PROFILES), value="desktop_ddr4", description="host CPU")
     speed = W.FloatLogSlider(value=1.0, base=2, min=-3, max=3, step=0.5, description="host speed x",
@@ -459,7 +340,7 @@ def host_explorer(trace: Trace, shape, hardware, slots: int):
     def _draw(*_):
         with out:
             out.clear_output(wait=True)
-            df = host_table(trace, shape, hardware, slots, profile.value, speed.value)
+            df = tables.host_table(trace, shape, hardware, slots, profile.value, speed.value)
             box.rendered = {"profile": profile.value, "speed": speed.value, "table": df}
             print(f"{HOST_PROFILES[profile.value].describe()} x {speed.value:g}; {slots} cache slots; "
                   f"simulated on {hardware.compute.name}")
@@ -471,33 +352,8 @@ def host_explorer(trace: Trace, shape, hardware, slots: int):
     return box
 
 
-def threshold_table(trace: Trace, shape, hardware, slots: int, kind: str, threshold: float,
-                    measured: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The simulator's decode tok/s of a lossy rule at `threshold` next to fate's, with the quality measured
-    at the nearest threshold of `measured` (a `quality.sweep_lossy` table) when given."""
-    from fate_lab.offloading.config import OffloadConfig
-    from fate_lab.sim.whatif import sim_row
-    from fate_lab.study.quality import LOSSY_PRESET
-
-    if kind not in LOSSY_PRESET:
-        raise ValueError(f"unknown lossy rule {kind!r}; choose one of {list(LOSSY_PRESET)}")
-    fate = sim_row(trace, OffloadConfig.preset("fate", slots=slots), hardware, shape, "fate")
-    knob = {"standin_window": int(threshold)} if kind == "standin" else {"lossy_threshold": threshold}  # standin: window
-    row = sim_row(trace, OffloadConfig.preset(LOSSY_PRESET[kind], slots=slots, **knob), hardware,
-                  shape, f"{kind} @ {threshold:g}")
-    df = pd.DataFrame([fate, row]).set_index("config")[["predicted decode tok/s", "hit rate decode",
-                                                         "experts moved per token"]]
-    df["speed vs fate"] = df["predicted decode tok/s"] / df["predicted decode tok/s"].iloc[0]
-    if measured is not None and (measured["policy"] == kind).any():
-        m = measured[measured["policy"] == kind]
-        near = m.loc[(m["threshold"] - threshold).abs().idxmin()]
-        df.loc[df.index[1], "measured ppl change (at)"] = f"{near['perplexity change']:+.2%} ({near['threshold']:g})"
-        df.loc[df.index[1], "measured agreement"] = near["greedy agreement"]
-    return df
-
-
 def threshold_explorer(trace: Trace, shape, hardware, slots: int, measured: pd.DataFrame | None = None):
-    """Dropdown (lossy rule) and slider (threshold) -> `threshold_table`, rerunning the simulator.
+    """Dropdown (lossy rule) and slider (threshold) -> `tables.threshold_table`, rerunning the simulator.
 
     The simulator replays the plain model's routing, so it predicts the speed; quality comes only from
     measurement (`measured`, the nearest threshold run). ``rendered`` holds the last table.
@@ -516,7 +372,7 @@ def threshold_explorer(trace: Trace, shape, hardware, slots: int, measured: pd.D
     def _draw(*_):
         with out:
             out.clear_output(wait=True)
-            df = threshold_table(trace, shape, hardware, slots, kind.value, thr.value, measured)
+            df = tables.threshold_table(trace, shape, hardware, slots, kind.value, thr.value, measured)
             box.rendered = {"kind": kind.value, "threshold": thr.value, "table": df}
             display(df.round(3))
 

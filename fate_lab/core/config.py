@@ -1,0 +1,186 @@
+"""Configuration of the offloaded runtime: `OffloadConfig` (frozen) and its presets by name.
+
+What this file is: every knob of `offload(model, config)` with a comment on why it exists, and
+the named baselines the notebooks and benchmarks compare (`OffloadConfig.preset(name)`).
+What it is not: a driver; the runtime, the timed simulator and the replay all build what they run
+from these objects through one driver core (`fate_lab/core/driver.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fate_lab.policy.rules import Percentile, SelectionRule
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Every knob of the runtime; `OffloadConfig.preset(name, **overrides)` for the baselines."""
+
+    name: str = "custom"
+    budget: int | None = None  # device bytes for dense + KV + buffers + expert cache ...
+    slots: int | None = None  # ... or the expert cache size in slots; neither: every expert fits
+    slots_per_layer: tuple[int, ...] | None = None  # ... or exactly these cache slots per MoE layer (the
+    # allocation is then not consulted: sweeps and replays set it; None: the allocation splits the budget)
+    link: str = "pcie3_x16"  # hardware.links.LINK_PROFILES key ("instant": transfers land inside submit),
+    # or a hardware.setups.SETUPS key: that setup's link scaled to this machine's clock
+    predictor: str | None = "cross_layer_gate"  # None | "cross_layer_gate" | "activation_path" | "learned_gate"
+    probes: str | None = None  # predictor="learned_gate": the model folder keeping probes.safetensors
+    # (python -m fate_lab.policy.probes --fit); None: the folder of the model being run
+    rule: SelectionRule | None = Percentile(75.0)  # cross-layer gate rule; None: TopK(model top_k)
+    allocation: str = "shallow"  # allocation.ALLOCATIONS key
+    miss_curves: tuple | None = None  # allocation="miss_curve": curves[l][c] misses of layer l with c slots;
+    # None: calibrated at offload time on a short greedy run from a seeded prompt (LRU curves)
+    shallow_layers: int | None = None  # Fate's L for allocation="shallow"; None: 1/8 of the MoE layers
+    # (the paper uses L = 3-4 of Qwen1.5-MoE's 24 layers), at least 1
+    replacement: str = "arc"  # replacement.POLICIES key
+    cache: bool = True  # False: nothing stays on the device after use (load on demand)
+    all_resident: bool = False  # upper bound: every expert gets a slot, loaded before the first token;
+    # budget/slots are then ignored
+    popularity_order: bool = True  # prefill computes popular experts first
+    prefetch_buffer_experts: int | None = None  # slots of each of the two prefetch pools; None: top_k
+    # if prefetching (the planner counts top_k demand slots + 2 pools)
+    prefetch_budget: str = "link"  # "link": queue only what the link can start before the next layer
+    # needs it (its window minus the queue already waiting); "all": the whole predicted set
+    prefetch_window: float = 1.0  # prefetch_budget="link": how many layer times ahead a transfer may
+    # still start (1: before the next layer; 2: also during it, landing for a later token's reuse)
+    admit_prefetch: str = "on_use"  # "on_use": a prefetched expert waits in staging and enters the
+    # cache when used; "on_load": it is admitted into the cache when queued (may evict)
+    context_len: int = 512  # tokens of KV cache the budget must hold
+    store: str = "ram"  # "ram" | "ssd" (read experts from `checkpoint` safetensors on demand)
+    checkpoint: str | None = None  # safetensors file/folder for store="ssd"
+    native_link: bool = False  # on CUDA: the real PCIe link instead of an emulated profile
+    calibration_steps: int = 12  # decode steps timed to calibrate the scaled link
+    layer_compute_s: float | None = None  # scaled link: the tiny model's layer time; None: calibrate now
+    transfer_timeout_s: float = 60.0  # longest wait for one expert before a clear TransferError
+    timeline: bool = True  # record (kind, layer, expert, t_start, t_end) events
+    timeline_max_events: int = 200_000
+    quant: str | None = None  # quant.QuantPolicy preset ("fate", "int8", "int4", ...); None: full precision
+    host: str | None = None  # None: every expert computes on the device; "cost": a non-resident expert
+    # computes on the host when that takes less than its transfer (Fiddler); "layers": the first
+    # `host_layers` MoE layers' experts live and compute on the host (llama.cpp --n-cpu-moe)
+    host_layers: int = 0  # host="layers": how many MoE layers, from the first; -1: all (kTransformers)
+    lossy: str | None = None  # None: every expert computes as routed; "drop" | "substitute" | "commit":
+    # what a decode step does with a miss (lossy.MissPolicy; the output changes, quality is measured)
+    lossy_threshold: float = 0.1  # drop/substitute: a miss below this share of the token's top-k gate weight;
+    # commit: the router is uncertain when its top-k hold less than this probability mass
+    min_similarity: float | None = None  # substitute: no stand-in below this similarity (the miss is dropped)
+    standin_window: int = 4  # standin: a miss recurring within this many decode calls of its layer after a
+    # low-precision use is loaded at full precision; otherwise it computes from the resident INT2 copy
+    similarity: str | None = None  # substitute: the model folder keeping expert_similarity.safetensors
+    # (python -m fate_lab.policy.similarity --model DIR); None: the folder of the model being run
+    host_profile: str = "desktop_ddr4"  # host.HOST_PROFILES key: the CPU whose time a host call takes
+    # (emulated on a CPU-only machine: the expert really computes, then the call holds for that time)
+
+    @staticmethod
+    def preset_names(include_quant: bool = False) -> list[str]:
+        """Names accepted by `preset`; the quantized and lossy ones (whose output differs) only with include_quant."""
+        return list(_PRESETS) + (list(_QUANT_PRESETS) if include_quant else [])
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "OffloadConfig":
+        """A named baseline with any field overridden (budget=..., slots=..., link=..., ...)."""
+        known = {**_PRESETS, **_QUANT_PRESETS}
+        if name not in known:
+            raise ValueError(f"unknown preset {name!r}; choose one of {list(known)}")
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"OffloadConfig has no field(s) {sorted(unknown)}")
+        return dataclasses.replace(known[name], **overrides)
+
+    def __post_init__(self) -> None:
+        for fld, allowed in (("prefetch_budget", ("link", "all")), ("admit_prefetch", ("on_use", "on_load")),
+                             ("store", ("ram", "ssd")), ("host", (None, "cost", "layers"))):
+            if getattr(self, fld) not in allowed:
+                raise ValueError(f"OffloadConfig.{fld}={getattr(self, fld)!r}; choose one of {list(allowed)}")
+        for fld in ("budget", "slots"):
+            v = getattr(self, fld)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"OffloadConfig.{fld}={v!r}: give a non-negative int ({'bytes' if fld == 'budget' else 'expert slots'}) or None")
+        if self.slots_per_layer is not None:
+            spl = self.slots_per_layer
+            if not isinstance(spl, tuple) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in spl):
+                raise ValueError(f"OffloadConfig.slots_per_layer={spl!r}: give a tuple of non-negative ints, one per "
+                                 "MoE layer, or None")
+            if self.budget is not None or self.slots is not None:
+                raise ValueError("give the cache size once: budget=, slots= or slots_per_layer=")
+        if not (isinstance(self.prefetch_window, (int, float)) and 0 < self.prefetch_window < float("inf")):
+            raise ValueError(f"OffloadConfig.prefetch_window={self.prefetch_window!r}: give a number of layer times > 0")
+        from fate_lab.hardware.hosts import HOST_PROFILES
+
+        if self.host_profile not in HOST_PROFILES:
+            raise ValueError(f"OffloadConfig.host_profile={self.host_profile!r}; choose one of {sorted(HOST_PROFILES)}")
+        if isinstance(self.host_layers, bool) or not isinstance(self.host_layers, int) or self.host_layers < -1:
+            raise ValueError(f"OffloadConfig.host_layers={self.host_layers!r}: give a number of MoE layers, or -1 for all")
+        if self.host == "layers" and self.host_layers == 0:
+            raise ValueError("OffloadConfig(host='layers') needs host_layers > 0 (or -1: every layer)")
+        if self.lossy is not None:
+            from fate_lab.policy.lossy import LOSSY_KINDS
+
+            if self.lossy not in LOSSY_KINDS:
+                raise ValueError(f"OffloadConfig.lossy={self.lossy!r}; choose None or one of {list(LOSSY_KINDS)}")
+            if self.host is not None or self.quant is not None:
+                raise ValueError("a lossy miss policy runs alone: set host=None and quant=None with lossy=...")
+        if not (isinstance(self.lossy_threshold, (int, float)) and 0.0 <= self.lossy_threshold <= 1.0):
+            raise ValueError(f"OffloadConfig.lossy_threshold={self.lossy_threshold!r}: give a number in [0, 1]")
+        if self.host is not None and self.quant is not None:
+            raise ValueError("host compute runs full-precision experts; it cannot be combined with quant="
+                             f"{self.quant!r} (choose one)")
+        if self.layer_compute_s is not None and not (isinstance(self.layer_compute_s, (int, float))
+                                                     and 0 < self.layer_compute_s < float("inf")):
+            raise ValueError(f"OffloadConfig.layer_compute_s={self.layer_compute_s!r}: give seconds > 0, or None "
+                             "to calibrate")
+
+
+_PRESETS: dict[str, OffloadConfig] = {
+    # upper bound: every expert has a slot and is loaded before the first token
+    "all_resident": OffloadConfig("all_resident", predictor=None, allocation="uniform", replacement="lru",
+                                  all_resident=True),
+    # the paper's baseline: no cache, no prefetch; every use is a synchronous load
+    "load_on_demand": OffloadConfig("load_on_demand", predictor=None, allocation="uniform", replacement="lru",
+                                    cache=False, popularity_order=False),
+    # plain offloading: on-demand loads kept in a per-layer LRU cache
+    "lru": OffloadConfig("lru", predictor=None, allocation="uniform", replacement="lru"),
+    # mixtral-offloading: LRU + next layer's router applied to this gate input, top-k speculative loads
+    "mixtral_offloading": OffloadConfig("mixtral_offloading", predictor="cross_layer_gate", rule=None,
+                                        allocation="uniform", replacement="lru", prefetch_budget="all",
+                                        admit_prefetch="on_load"),
+    # EAP baseline: expert-activation-path history predictor, LRU cache
+    "activation_path": OffloadConfig("activation_path", predictor="activation_path", allocation="uniform",
+                                     replacement="lru", prefetch_budget="all", admit_prefetch="on_load"),
+    # Fate: cross-layer gate + 75th-percentile expansion, shallow-favoring allocation, ARC; prefetches
+    # wait in staging and enter the cache on use, at most what the link can start within 4 layer times
+    # (the variant the simulator's sweep over link speeds kept: benchmarks/results/prefetch_variants_*.md)
+    "fate": OffloadConfig("fate", prefetch_window=4.0),
+    # Fate as the first version ran it: the whole percentile set queued and admitted into the cache
+    "fate_v1": OffloadConfig("fate_v1", prefetch_budget="all", admit_prefetch="on_load"),
+    # Fate with the learned cross-layer probes (policy/learned.py) instead of the router product + percentile
+    "fate_learned": OffloadConfig("fate_learned", prefetch_window=4.0, predictor="learned_gate"),
+    # Fate + misses computed on the host CPU when that beats their transfer (Fiddler's cost model)
+    "host_compute": OffloadConfig("host_compute", prefetch_window=4.0, host="cost"),
+    # Fate with the first 2 MoE layers' experts living and computing on the host (llama.cpp --n-cpu-moe 2)
+    "static_host": OffloadConfig("static_host", prefetch_window=4.0, host="layers", host_layers=2),
+    # every routed expert on the host, attention and shared experts on the device (kTransformers)
+    "all_host": OffloadConfig("all_host", predictor=None, allocation="uniform", replacement="lru", host="layers",
+                              host_layers=-1),
+}
+
+# Presets whose output differs from the full-precision model's (`preset_names()` lists them apart):
+# quantized ones (the same runtime policies as `fate`, experts stored and moved packed) and lossy ones.
+_QUANT_PRESETS: dict[str, OffloadConfig] = {
+    # Fate's scheme: INT4 cache/prefetch, INT2 misses and least popular prefill experts
+    "fate_quant": dataclasses.replace(_PRESETS["fate"], name="fate_quant", quant="fate"),
+    # every expert at INT8 (g64): the near-lossless check
+    "fate_int8": dataclasses.replace(_PRESETS["fate"], name="fate_int8", quant="int8"),
+    # plain LRU offloading with fate_quant's precisions (INT4 cached, INT2 misses): equal bytes
+    "lru_quant": dataclasses.replace(_PRESETS["lru"], name="lru_quant", quant="fate"),
+    # lossy decode steps on fate's pipeline (policy/lossy.py); thresholds from benchmarks/bench_lossy.py
+    "drop_low": dataclasses.replace(_PRESETS["fate"], name="drop_low", lossy="drop", lossy_threshold=0.1),
+    "substitute": dataclasses.replace(_PRESETS["fate"], name="substitute", lossy="substitute", lossy_threshold=0.1),
+    "commit": dataclasses.replace(_PRESETS["fate"], name="commit", lossy="commit", lossy_threshold=0.5),
+    # HOBBIT: an INT2 copy of every expert resident (its bytes come off the cache budget); misses compute
+    # from it, experts that recur within 4 decode calls load at full precision
+    "standin": dataclasses.replace(_PRESETS["fate"], name="standin", lossy="standin", standin_window=4),
+}
+
+

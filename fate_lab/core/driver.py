@@ -1,0 +1,249 @@
+"""The driver core: what the runtime, the timed simulator and the replay build from one config, in one place.
+
+What this file is: `DriverCore`, built from one `OffloadConfig`, one `ModelShape` and one `Hardware`:
+  1. the precision policy and the bytes of a device slot (`core/sizing.py`);
+  2. the memory plan and the slots per MoE layer (`policy/planner.py`, `policy/allocation.py`);
+  3. the stats every driver returns (`policy/stats.RunStats`);
+  4. the host placement (which misses compute on the host, `policy/placement.py`);
+  5. the predictor and the lossy miss rule (`core/parts.py`), and the layer step's rules;
+  6. the one expert cache, over the driver's own link (`build_cache`), and the all-resident preload;
+and the bookkeeping every driver repeats per forward: the phase, the per-phase layer-time estimate (an
+EMA, the prefetch window), precisions by reason, timeline events, stall time. A link (real engine,
+simulated, instant) sees the core only through `LinkContext`, a narrow named protocol.
+What it is not: a driver. It moves no bytes, computes no expert and reads no clock: the runtime, the
+simulator and the replay own their mechanisms and hand `run_layer` a `LayerCall`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from fate_lab.core.config import OffloadConfig
+from fate_lab.core.parts import build_miss_policy, build_predictor
+from fate_lab.core.shape import ModelShape
+from fate_lab.core.sizing import STANDIN_SPEC, slot_sizing, standin_pool_bytes
+from fate_lab.hardware.setups import Hardware
+from fate_lab.policy.cache import ExpertCache, Link
+from fate_lab.policy.placement import HostPlacement, host_layer_set
+from fate_lab.policy.planner import plan_offload
+from fate_lab.policy.replacement import ReplacementPolicy
+from fate_lab.policy.registry import policy_from_name
+from fate_lab.policy.rules import RouterScores
+from fate_lab.policy.stats import PHASES, PhaseStats, RunStats
+from fate_lab.policy.step import LayerCall, StepRules, run_layer
+from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
+
+STALL_MIN_S = 2e-5  # a wait shorter than this is bookkeeping, not a stall
+WINDOW_EMA = 0.3  # weight of the newest forward in the per-phase layer-time estimate (prefetch window)
+
+
+def spec_label(spec: QuantSpec | None) -> str:
+    """A short name of a transfer precision for counters: 'fp', 'int4/g64', ..."""
+    return "fp" if spec is None else f"int{spec.bits}/g{spec.group_size}" + ("/hqq" if spec.refine else "")
+
+
+def link_capacity(window_s: float | None, backlog_s: float, transfer_s: float) -> int | None:
+    """Prefetches a link can *start* within window_s when backlog_s of work is already queued.
+
+    None (no limit) without a window estimate or with a zero-time link. A transfer that starts
+    inside the window but lands after it still saves part of the wait, so this counts starts:
+    ceil((window - backlog) / transfer), at least 0.
+    """
+    if window_s is None or transfer_s <= 0:
+        return None
+    return max(0, math.ceil((window_s - backlog_s) / transfer_s - 1e-9))
+
+
+def scaling_bytes(shape: ModelShape, quant: QuantPolicy | None) -> int:
+    """The expert size a scaled setup's link is fitted to (`Setup.on_clock`): the model's expert as it travels at
+    full precision; with quantization, the model's expert at fp16 -- the precision the real setups move -- so a
+    packed INT4 expert takes the real INT4 expert's time whatever the model's own dtype."""
+    if quant is None:
+        return shape.nbytes(None)
+    return expert_nbytes(shape.expert_shapes(), None, dtype=torch.float16)
+
+
+class LinkContext(Protocol):
+    """What a link may ask of the driver that owns it (and nothing else of it)."""
+
+    phase: str  # "prefill" | "decode": the forward running now
+
+    def spec(self, m: int, reason: str) -> QuantSpec | None:
+        """The precision an expert of MoE layer m travels at for reason (None: full precision)."""
+
+    def landed(self, m: int, nbytes: int, spec: QuantSpec | None) -> None:
+        """Count a transfer of nbytes for layer m that landed."""
+
+    def event(self, kind: str, m: int, e: int, t0: float, t1: float) -> None:
+        """Append (kind, layer, expert, start, end) to the timeline."""
+
+    def stall(self, m: int, e: int, w0: float, w1: float) -> None:
+        """Count a wait of the compute thread for (m, e) from w0 to w1 as stall, if it was one."""
+
+    def prefetch_window_s(self) -> float | None:
+        """Seconds ahead a prefetch may still start (layer-time estimate x prefetch_window); None: unknown yet."""
+
+
+class DriverCore:
+    """Everything a driver builds from (config, shape, hardware), and the per-forward bookkeeping."""
+
+    def __init__(self, config: OffloadConfig, shape: ModelShape, hardware: Hardware, *, driver: str,
+                 router: RouterScores | None = None, store: str = "", link_note: str = "", miss_curves=None):
+        """driver: "runtime" | "simulator" | "replay" (names the stats); router: every MoE layer's router on
+        the host (None: a routing-only trace); miss_curves(): LRU curves for allocation="miss_curve"."""
+        if not isinstance(config, OffloadConfig):
+            raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate')), got "
+                            f"{type(config).__name__}")
+        self.config, self.shape, self.driver = config, shape, driver
+        M, E, K = shape.num_moe_layers, shape.num_experts, shape.top_k
+        es = shape.expert_shapes()
+        # 1. precision policy and slot sizing
+        self.quant: QuantPolicy | None = QuantPolicy.preset(config.quant) if config.quant is not None else None
+        self.hardware = hardware.for_model(scaling_bytes(shape, self.quant))  # a scaled setup: the one rule
+        hardware = self.hardware
+        if self.quant is not None:  # refuse a group size the experts' shapes cannot take, naming them
+            for m in range(M):
+                for s in self.quant.host_specs(m):
+                    self._check_quantizable(s)
+        self.slot_specs, self.slot_bytes, scratch = slot_sizing(self.quant, M, es["gate_up"], es["down"], shape.dtype,
+                                                                shape.nbytes(None))
+        self.standin_bytes = 0
+        if config.lossy == "standin":
+            if shape.hidden % STANDIN_SPEC.group_size or shape.intermediate % STANDIN_SPEC.group_size:
+                raise ValueError(f"lossy='standin' keeps INT2 copies with group size {STANDIN_SPEC.group_size}, which "
+                                 f"must divide the hidden size {shape.hidden} and the expert width {shape.intermediate}")
+            self.standin_bytes = standin_pool_bytes(M, E, es["gate_up"], es["down"])
+        # 2. the memory plan (the resident INT2 copies come off the cache budget)
+        self.plan, self.slots_per_layer, self.prefetch_buffers = plan_offload(
+            config, num_layers=M, num_experts=E, top_k=K, slot_expert_bytes=self.slot_bytes,
+            dense_bytes=shape.dense_bytes, kv_bytes_per_token=shape.kv_bytes_per_token,
+            scratch_bytes=scratch + self.standin_bytes, miss_curves=miss_curves)
+        self.num_slots = sum(self.slots_per_layer) + K + 2 * self.prefetch_buffers
+        # 3. the stats every driver returns
+        link = "instant (transfers land at once)" if hardware.link is None else hardware.link.describe()
+        self.link_description = link  # the link both drivers of one config model (the runtime may note more)
+        self.stats = RunStats(layers=[{p: PhaseStats() for p in PHASES} for _ in range(M)], link=link + link_note,
+                              store=store, plan=self.plan, slots_per_layer=list(self.slots_per_layer), driver=driver,
+                              expert_bytes=shape.nbytes(None))
+        # 4. host placement: a miss computes on the host when the config says so
+        self.host_time = None
+        self.placement: HostPlacement | None = None
+        if config.host is not None:
+            self.host_time = hardware.host_time(config.host_profile, shape.nbytes(None), shape.expert_flops())
+            self.placement = HostPlacement(config.host, host_layer_set(config.host, config.host_layers, M),
+                                           self.host_time, hardware.transfer_s(shape.nbytes(None)))
+        # 5. the policies and the layer step's rules
+        self.miss_policy = build_miss_policy(config, shape)
+        self.predictor = build_predictor(config, shape)
+        self.rules = StepRules(self.predictor, router, config.popularity_order, self.miss_policy,
+                               self.quant.prefill_low_count if self.quant is not None else None)
+        # per-forward state
+        self.phase = "prefill"
+        self.window_s: dict[str, float] = {}  # per phase: EMA of one layer's compute time (no stall)
+        self.t_origin = 0.0  # timeline times are relative to this
+        self._stall_in_forward = 0.0
+        self.cache: ExpertCache | None = None
+
+    def _check_quantizable(self, spec: QuantSpec | None) -> None:
+        try:
+            expert_nbytes(self.shape.expert_shapes(), spec, dtype=self.shape.dtype)
+        except ValueError as exc:
+            raise ValueError(f"quant={self.config.quant!r} cannot quantize this model's experts: {exc}. Choose a "
+                             f"policy whose group size divides hidden {self.shape.hidden} and expert width "
+                             f"{self.shape.intermediate}") from exc
+
+    # --- 6. the one cache, over the driver's link ----------------------------------------
+    def replacement(self, m: int, capacity: int) -> ReplacementPolicy:
+        """Layer m's replacement policy, of the config's kind, over `capacity` slots."""
+        return policy_from_name(self.config.replacement, capacity)
+
+    def build_cache(self, link: Link) -> ExpertCache:
+        """The one expert cache over this driver's link, with the config's flags."""
+        c = self.config
+        self.cache = ExpertCache(self.slots_per_layer, self.replacement, self.shape.top_k, self.prefetch_buffers, link,
+                                 self.stats.layers, cache=c.cache, admit_on_use=c.admit_prefetch == "on_use",
+                                 link_budget=c.prefetch_budget == "link", placement=self.placement)
+        assert self.cache.num_slots == self.num_slots
+        return self.cache
+
+    def preload(self) -> list[tuple[int, int, int]]:
+        """all_resident: mark every expert cached before the first token; (layer, expert, slot) to load."""
+        if not self.config.all_resident:
+            return []
+        return [(m, e, slot) for m in range(self.shape.num_moe_layers)
+                for e, slot in self.cache.preload(m, list(range(min(self.slots_per_layer[m], self.shape.num_experts))))]
+
+    # --- LinkContext ---------------------------------------------------------------------
+    def spec(self, m: int, reason: str) -> QuantSpec | None:
+        """The precision expert transfers of MoE layer m travel at for reason (None: full)."""
+        return None if self.quant is None else self.quant.precision_for(m, reason)
+
+    def landed(self, m: int, nbytes: int, spec: QuantSpec | None) -> None:
+        """Count a landed transfer's bytes and precision."""
+        self.stats.layers[m][self.phase].bytes_moved += nbytes
+        self.stats.moved[self.phase, m, spec_label(spec)] += 1
+
+    def event(self, kind: str, m: int, e: int, t0: float, t1: float) -> None:
+        """Append (kind, layer, expert, start, end) to the timeline (relative to `t_origin`)."""
+        tl = self.stats.timeline
+        if self.config.timeline and len(tl) < self.config.timeline_max_events:
+            tl.append((kind, m, e, t0 - self.t_origin, t1 - self.t_origin))
+
+    def stall(self, m: int, e: int, w0: float, w1: float) -> None:
+        """Count a wait of the compute thread for (m, e) as stall, if it was one."""
+        if w1 - w0 > STALL_MIN_S:
+            self.stats.layers[m][self.phase].stall_s += w1 - w0
+            self._stall_in_forward += w1 - w0
+            self.event("stall", m, e, w0, w1)
+
+    def prefetch_window_s(self) -> float | None:
+        """The layer-time estimate of this phase times the config's prefetch window (None before a forward)."""
+        w = self.window_s.get(self.phase)
+        return None if w is None else w * self.config.prefetch_window
+
+    # --- per forward -----------------------------------------------------------------------
+    def begin_forward(self, phase: str) -> None:
+        """A forward starts: its phase reaches the cache and the predictor (a prompt resets history)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r}; choose one of {PHASES}")
+        self.phase = phase
+        if self.cache is not None:
+            self.cache.phase = phase
+        if self.predictor is not None:
+            if phase == "prefill":
+                self.predictor.reset()
+            self.predictor.set_phase(phase)
+        self._stall_in_forward = 0.0
+
+    def end_forward(self, dt: float) -> None:
+        """A forward of dt seconds ended: record it and update the layer-time estimate (stall excluded)."""
+        self.stats.forward_s[self.phase].append(dt)
+        layer_s = max(dt - self._stall_in_forward, 0.0) / self.shape.num_layers
+        old = self.window_s.get(self.phase)
+        self.window_s[self.phase] = layer_s if old is None else (1 - WINDOW_EMA) * old + WINDOW_EMA * layer_s
+
+    def run_layer(self, call: LayerCall) -> list[int]:
+        """One experts call through the layer step (`policy/step.py`); returns the compute order."""
+        return run_layer(self.cache, self.rules, call)
+
+    def reset_stats(self, t_origin: float = 0.0) -> None:
+        """Zero every counter and the timeline (the cache contents stay); timeline times restart at t_origin."""
+        self.stats.reset()
+        if self.cache is not None:
+            self.cache.stats = self.stats.layers
+        self.t_origin = t_origin
+
+    def describe(self) -> dict:
+        """What this core built, as plain data: two drivers of one config must describe the same build."""
+        pred = self.predictor
+        return {"config": self.config, "shape": self.shape, "plan": self.plan,
+                "slots_per_layer": list(self.slots_per_layer), "prefetch_buffers": self.prefetch_buffers,
+                "num_slots": self.num_slots, "slot_bytes": self.slot_bytes, "slot_specs": self.slot_specs,
+                "standin_bytes": self.standin_bytes, "quant": self.quant,
+                "predictor": None if pred is None else (type(pred).__name__, getattr(pred, "rule", None)),
+                "miss_policy": None if self.miss_policy is None else (self.miss_policy.kind, self.miss_policy.threshold),
+                "placement": None if self.placement is None else (self.placement.mode, self.placement.host_layers,
+                                                                  self.placement.transfer_s),
+                "host_time": self.host_time, "link": self.link_description, "replacement": self.config.replacement}

@@ -1,0 +1,105 @@
+"""Calibrating a `ComputeProfile` of this machine from the runtime itself.
+
+What this file is: `calibrate_compute`, which runs the real runtime (every expert resident over
+an instant link, then the `fate` preset over an emulated link) with its timeline on, and reads
+off what the timed simulator needs: per-layer dense time, per-expert compute, the experts call's
+bookkeeping, the host-side prediction, and what the CPU emulation costs (cold experts, cache
+pollution by the link's copies, the worker's sleep overshoot, the waiting thread's wake-up).
+What it is not: the simulator (`simulate.py`), which only reads the profile.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fate_lab.core.config import OffloadConfig
+from fate_lab.hardware.compute import ComputeProfile
+
+
+def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
+                      name: str = "this machine", link: str | None = None,
+                      layer_compute_s: float | None = None) -> ComputeProfile:
+    """A `ComputeProfile` measured from the runtime itself: every expert resident, instant link, timeline on.
+
+    Decode figures are medians over the decode steps; prefill's per-token slopes come from the prompt.
+    With `link` (an emulated link name), a second run loads every expert on demand over it and
+    measures what the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`).
+    """
+    from fate_lab.offloading.runtime import offload
+
+    cfg = OffloadConfig.preset("fate", all_resident=True, link="instant", quant=quant)
+    with offload(model, cfg) as rt:
+        model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        rt.reset_stats()  # the first run warmed up; measure the second
+        model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        st, tl = rt.stats, rt.stats.timeline
+        M, L, T = rt.adapter.num_moe_layers, len(getattr(model, "model", model).layers), prompt_ids.shape[1]
+        K = rt.top_k
+        pre_end = st.forward_s["prefill"][0]  # one prefill forward
+        p = st.total("prefill")
+
+    def med(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else 0.0
+
+    comp = [ev[4] - ev[3] for ev in tl if ev[0] == "compute"]  # chronological: the prefill's come first
+    pred = [ev[4] - ev[3] for ev in tl if ev[0] == "predict"]
+    n_pre = p.uses
+    expert_s = med(comp[n_pre:])
+    predict_s = med(pred[M - 1:])
+    expert_tok = max(0.0, (sum(comp[:n_pre]) - n_pre * expert_s) / max(1, M * T * K - n_pre))
+    pre_pred = pred[:M - 1]
+    predict_tok = max(0.0, (sum(pre_pred) / max(1, len(pre_pred)) - predict_s) / max(1, T - 1))
+    d = st.total("decode")
+    n_dec = len(st.forward_s["decode"])
+    call_total = d.compute_s / max(1, n_dec)  # experts-call wall time per decode forward, all layers
+    in_calls = (sum(comp[n_pre:]) + sum(pred[M - 1:])) / max(1, n_dec)
+    call_s = max(0.0, (call_total - in_calls) / M)
+    fwd = med(st.forward_s["decode"])
+    dense_s = max(0.0, (fwd - call_total) / L)
+    dense_tok = max(0.0, (pre_end - p.compute_s - L * dense_s) / max(1, L * (T - 1)))
+    cold = landed = extra = wake = 0.0
+    if link is not None:  # the same machine while an emulated link copies on the other core
+        cfg = OffloadConfig.preset("fate", link=link, layer_compute_s=layer_compute_s, quant=quant,
+                                   slots=M * rt.num_experts // 4)
+        with offload(model, cfg) as rt2:
+            model.generate(prompt_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            rt2.reset_stats()
+            model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            st2, tl2 = rt2.stats, rt2.stats.timeline
+        skip = st2.total("prefill").uses  # the prefill's compute events come first
+        fresh, warm_c, cold_c, pred2, seen = set(), [], [], [], 0
+        for kind, m, e, a0, a1 in tl2:
+            if kind in ("demand", "prefetch", "sync_load"):
+                fresh.add((m, e))
+            elif kind == "compute":
+                seen += 1
+                if seen > skip:
+                    (cold_c if (m, e) in fresh else warm_c).append(a1 - a0)
+                fresh.discard((m, e))
+            elif kind == "predict":
+                pred2.append(a1 - a0)
+        nominal = rt2.link.transfer_time(rt2.expert_bytes)
+        moves = [(m, e, a0, a1) for kind, m, e, a0, a1 in tl2 if kind in ("demand", "prefetch")]
+        extra = med([a1 - a0 - nominal for _, _, a0, a1 in moves])
+        landed_at: dict = {}
+        wakes = []
+        for kind, m, e, a0, a1 in tl2:
+            if kind in ("demand", "prefetch"):
+                landed_at[m, e] = a1
+            elif kind == "stall" and (m, e) in landed_at and landed_at[m, e] <= a1:
+                wakes.append(a1 - landed_at[m, e])
+        wake = med(wakes)
+        d2, n2 = st2.total("decode"), len(st2.forward_s["decode"])
+        expert_s = med(warm_c) or expert_s
+        cold = max(0.0, med(cold_c) - expert_s)
+        predict_s = med(pred2[M - 1:]) or predict_s
+        in_calls2 = (sum(warm_c) + sum(cold_c) + sum(pred2[M - 1:]) + d2.stall_s) / n2
+        call_s = max(0.0, (d2.compute_s / n2 - in_calls2) / M)
+        dense_part = (sum(st2.forward_s["decode"]) - d2.compute_s) / n2  # per token, outside experts calls
+        landed = max(0.0, (dense_part - L * dense_s) / max(1.0, d2.bytes_moved / rt.expert_bytes / n2))
+    return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok, cold,
+                          landed, max(0.0, extra), wake, f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime "
+                          f"(all resident, instant link, {new_tokens} tokens, quant={quant}"
+                          + (f"; cold experts over {link}" if link else "") + ")")

@@ -1,0 +1,63 @@
+"""Host-to-device links: named profiles of effective bandwidth and per-transfer latency.
+
+What this file is: `LinkProfile` and `LINK_PROFILES`, the links the Fate paper and edge deployments use
+(PCIe 1.0/3.0/4.0 x16, an NVMe SSD), each number with its source next to it.
+What it is not: it moves no bytes (`offloading/transfer.py` holds an emulated link for a profile's time)
+and it scales nothing (a link scaled to a real setup's clock is `setups.py`'s one rule).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """A host->device link: effective bandwidth and a fixed latency per transfer."""
+
+    name: str
+    bandwidth: float  # bytes/s, *effective* (what a pinned H2D copy reaches), not the spec sheet
+    latency: float  # s added per transfer (driver/DMA setup, or SSD access time)
+    source: str = ""  # where the numbers come from
+    scaled_from: str | None = None  # name of the setup this profile was scaled to, if any
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bandwidth, (int, float)) and math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ValueError(f"LinkProfile {self.name!r}: bandwidth={self.bandwidth!r} bytes/s; give a finite number > 0")
+        if not (isinstance(self.latency, (int, float)) and math.isfinite(self.latency) and self.latency >= 0):
+            raise ValueError(f"LinkProfile {self.name!r}: latency={self.latency!r} s; give a finite number >= 0")
+
+    def transfer_time(self, nbytes: int) -> float:
+        """Seconds the link is busy moving nbytes."""
+        return self.latency + nbytes / self.bandwidth
+
+    def describe(self) -> str:
+        """One line for tables and logs: name, bandwidth, latency, and scaling."""
+        text = f"{self.name} ({self.bandwidth / GB:.3g} GB/s, {self.latency * 1e6:.0f} us/transfer)"
+        if self.scaled_from:
+            text += f", scaled to {self.scaled_from}"
+        return text
+
+
+# Effective bandwidths: a pinned-memory host->device cudaMemcpyAsync reaches ~75-80% of the
+# PCIe payload rate (128b/130b coding, TLP overhead); bandwidthTest on an RTX 3090 in a PCIe 3.0
+# x16 slot reports ~12-13 GB/s. Spec rates: PCIe 1.0 x16 4 GB/s, 3.0 x16 15.75 GB/s, 4.0 x16 31.5 GB/s.
+# Latency: ~10 us per copy launch + DMA setup. NVMe: a PCIe 3.0 x4 consumer SSD reads ~3.5 GB/s
+# sequentially (3-7 GB/s across generations); ~100 us access latency.
+LINK_PROFILES: dict[str, LinkProfile] = {
+    "pcie1_x16": LinkProfile("PCIe 1.0 x16", 3.0 * GB, 10e-6, "4 GB/s spec x ~0.75 efficiency"),
+    "pcie3_x16": LinkProfile("PCIe 3.0 x16", 12.0 * GB, 10e-6, "15.75 GB/s spec; ~12 GB/s measured pinned H2D"),
+    "pcie4_x16": LinkProfile("PCIe 4.0 x16", 25.0 * GB, 10e-6, "31.5 GB/s spec; ~25 GB/s measured pinned H2D"),
+    "nvme": LinkProfile("NVMe SSD (PCIe 3.0 x4)", 3.5 * GB, 100e-6, "consumer NVMe sequential read"),
+    # For correctness tests: a link so fast it never dominates, yet still asynchronous.
+    "test_fast": LinkProfile("test link (100 GB/s)", 100.0 * GB, 0.0, "tests only"),
+}
+
+
+def link_profile(name: str) -> LinkProfile:
+    """The profile named `name` (clear error for an unknown one)."""
+    if name not in LINK_PROFILES:
+        raise ValueError(f"unknown link {name!r}; choose one of {sorted(LINK_PROFILES)}")
+    return LINK_PROFILES[name]

@@ -1,0 +1,49 @@
+"""Memory of real MoE models, from their published configs built on the meta device: what offloading saves.
+
+What it is: `meta_model` (a published config of `hardware.models.PAPER_MODELS` built with no memory and no
+download), `memory_breakdown` (dense vs expert bytes, bytes per expert and KV cache at a dtype) and
+`expert_transfer_ms` (one expert over a link of given bandwidth).
+What it is not: the published facts themselves (`fate_lab/hardware/models.py`) or a measurement.
+"""
+from __future__ import annotations
+
+import torch
+
+from fate_lab.hardware.links import GB
+from fate_lab.hardware.models import PAPER_MODELS
+
+
+def meta_model(name: str):
+    """One of ``PAPER_MODELS`` built on the meta device (shapes only, no memory, no download)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name not in PAPER_MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(PAPER_MODELS)}")
+    fields = dict(PAPER_MODELS[name])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def memory_breakdown(model, name: str, dtype: torch.dtype = torch.bfloat16, context_len: int = 2048) -> dict:
+    """Dense vs expert bytes, bytes per expert and KV cache of a model at ``dtype``."""
+    from fate_lab.model.adapters import adapt
+
+    ad = adapt(model)
+    scale = torch.empty((), dtype=dtype).element_size() / next(model.parameters()).element_size()
+    per_expert = ad.bytes_per_expert(dtype)
+    experts = per_expert * ad.num_experts * ad.num_moe_layers
+    dense = int(ad.dense_bytes() * scale)
+    kv = ad.kv_bytes_per_token(dtype) * context_len
+    return {
+        "model": name, "dtype": str(dtype).replace("torch.", ""), "moe_layers": ad.num_moe_layers,
+        "experts_per_layer": ad.num_experts, "top_k": ad.top_k, "bytes_per_expert": per_expert,
+        "dense_bytes": dense, "expert_bytes": experts, f"kv_bytes_at_{context_len}": kv,
+        "expert_share": experts / (experts + dense),
+        "active_expert_bytes_per_token": per_expert * ad.top_k * ad.num_moe_layers,
+    }
+
+
+def expert_transfer_ms(bytes_per_expert: int, link_gbps: float) -> float:
+    """Milliseconds to move one expert over a link of ``link_gbps`` GB/s (bandwidth only)."""
+    return bytes_per_expert / (link_gbps * GB) * 1e3

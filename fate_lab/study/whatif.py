@@ -1,0 +1,105 @@
+"""What-if tables: hit rate and predicted speed of offloading configs, from the timed simulator.
+
+What it is: the calls notebooks 04, 05 and the widgets make to ask the simulator (`simulate`) "how fast would
+this config decode this trace on that hardware?": `machine_hardware` (this machine, calibrated once per model
+and link from the runtime itself), `setup_hardware` (a named real setup, its link fitted to whatever model
+runs), `sim_row` / `sim_table` (one `RunStats.row` per config), `ratio_curve` (speed over transfer/compute
+ratios) and `config_for` (the config an explorer's choices describe).
+What it is not: the simulator (`sim/simulate.py`) or the runtime (`offloading/runtime.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import pandas as pd
+
+from fate_lab.core.config import OffloadConfig
+from fate_lab.core.shape import ModelShape
+from fate_lab.fit.calibrate import calibrate_compute
+from fate_lab.hardware.links import LinkProfile
+from fate_lab.hardware.setups import Hardware, run_hardware
+from fate_lab.sim.simulate import simulate
+
+_calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {link: (Hardware, layer_s)}
+
+
+def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -> tuple[Hardware, float]:
+    """(Hardware, layer seconds) of this machine running `model` with the emulated `link`, calibrated once per
+    (model, link) in this process: the same layer time scales the runtime's link and the simulator's."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from fate_lab.offloading.runtime import calibrate_layer_time
+
+    per_model = _calibrated.setdefault(model, {})
+    if link not in per_model:
+        with tqdm(total=2, desc="calibrating this machine", unit="step", leave=False) as bar:
+            layer_s = calibrate_layer_time(model, steps=24)
+            bar.update()
+            ids = torch.tensor([tokenizer("The expert cache holds the experts")["input_ids"]])
+            timed = None if link == "instant" else link  # every other link is emulated on a CPU
+            compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s)
+            bar.update()
+        per_model[link] = (dataclasses.replace(run_hardware(link, layer_s), compute=compute), layer_s)
+    return per_model[link]
+
+
+def setup_hardware(name: str, shape: ModelShape | None = None) -> Hardware:
+    """A named real setup (`hardware.setups.SETUPS`) on its own clock, its link fitted to the model that runs."""
+    return Hardware.scaled(name)
+
+
+def sim_row(trace, config: OffloadConfig, hardware: Hardware, shape: ModelShape, name: str | None = None) -> dict:
+    """One `RunStats.row` of the simulator: speed, hit rates, stall and bytes per decode token."""
+    return simulate(trace, config, hardware, shape).row(name or config.name)
+
+
+def sim_table(trace, configs: dict[str, OffloadConfig], hardware: Hardware, shape: ModelShape,
+              slots: list[int] | None = None) -> pd.DataFrame:
+    """`sim_row` of every config (for every cache size in `slots`, if given), with a progress bar."""
+    from tqdm.auto import tqdm
+
+    jobs = [(n, c if s is None else dataclasses.replace(c, slots=s, budget=None))
+            for s in (slots or [None]) for n, c in configs.items()]
+    return pd.DataFrame([sim_row(trace, c, hardware, shape, n) for n, c in tqdm(jobs, desc="simulate", unit="run")])
+
+
+def config_for(allocation: str, boundary: int, replacement: str, predictor: str, slots: int,
+               calibration=None) -> OffloadConfig:
+    """The runtime config a cache explorer's choices describe (prefetch as the `fate` preset moves it)."""
+    from fate_lab.policy.allocation import lru_miss_curves
+    from fate_lab.policy.rules import Percentile
+
+    base = OffloadConfig.preset("fate", slots=slots, replacement=replacement, allocation=allocation,
+                                shallow_layers=boundary)
+    if allocation == "miss_curve":
+        if calibration is None:
+            raise ValueError("allocation='miss_curve' needs a calibration trace")
+        base = dataclasses.replace(base, miss_curves=tuple(map(tuple, lru_miss_curves(calibration.experts,
+                                                                                     calibration.num_experts))))
+    if predictor == "none (cache only)":
+        return dataclasses.replace(base, predictor=None, prefetch_buffer_experts=None)
+    if predictor == "cross-layer top-k":
+        return dataclasses.replace(base, rule=None)  # the runtime's TopK(model's top_k)
+    if predictor == "cross-layer percentile 75":
+        return dataclasses.replace(base, rule=Percentile(75.0))
+    raise ValueError(f"the simulator runs the predictors the runtime has; {predictor!r} is replay-only")
+
+
+def ratio_curve(trace, configs: dict[str, OffloadConfig], compute, shape: ModelShape, layer_s: float,
+                ratios=(0.25, 0.5, 1.0, 2.0, 2.9, 4.0), slots: int | None = None) -> pd.DataFrame:
+    """Predicted decode tok/s of each config over links whose one-expert transfer takes r x `layer_s`
+    (r = the transfer/compute ratio), on `compute`: one row per (ratio, config)."""
+    rows = []
+    for r in ratios:
+        hw = Hardware(compute, LinkProfile(f"ratio {r}", shape.nbytes(None) / (r * layer_s), 0.0))
+        for name, cfg in configs.items():
+            cfg = cfg if slots is None else dataclasses.replace(cfg, slots=slots, budget=None)
+            rows.append({"ratio": r, "config": name, "decode tok/s": simulate(trace, cfg, hw, shape).decode_tok_s})
+    return pd.DataFrame(rows)
+
+
+def link_ratio(link: str, expert_bytes: int, layer_s: float) -> float:
+    """The transfer/compute ratio r of a named link for an expert of expert_bytes and a layer of layer_s."""
+    return run_hardware(link, layer_s).for_model(expert_bytes).transfer_s(expert_bytes) / layer_s

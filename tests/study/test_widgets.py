@@ -1,0 +1,204 @@
+"""The functions behind the notebook widgets, on a hand-built trace (no browser)."""
+import pytest
+import torch
+
+from fate_lab.model.trace import DECODE, PREFILL, Trace
+from fate_lab.study import widgets
+
+
+@pytest.fixture
+def hand_trace():
+    # E=4 experts, H=4, L=2 layers, k=1. Layer 1's router is 10 x identity, so the cross-layer
+    # prediction for layer 1 is the argmax of the token's layer-0 gate input.
+    gate = torch.zeros(4, 2, 4)
+    for t, e in enumerate([0, 1, 2, 3]):
+        gate[t, 0, e] = 1.0  # token t's layer-0 gate input points at expert t
+    W = torch.stack([torch.eye(4), 10 * torch.eye(4)])  # (L, E, H)
+    experts = torch.tensor([[[0], [0]], [[1], [2]], [[2], [2]], [[3], [3]]])  # token 1 is mispredicted
+    return Trace(experts=experts, token_ids=torch.arange(4), phase=torch.tensor([PREFILL, DECODE, DECODE, DECODE]),
+                 prompt_id=torch.zeros(4, dtype=torch.long), position=torch.arange(4), gate_inputs=gate,
+                 router_weights=W, meta={"num_experts": 4, "scoring": "softmax"})
+
+
+def test_prefetch_table_topk_recall_by_hand(hand_trace):
+    df = widgets.prefetch_table(hand_trace, "top-k", phase="decode")
+    # decode tokens 1, 2, 3 predict experts 1, 2, 3 for layer 1; truth 2, 2, 3 -> 2 of 3 right
+    assert df["layer"].tolist() == [1]
+    assert df["recall"].iloc[0] == pytest.approx(2 / 3)
+    assert df["precision"].iloc[0] == pytest.approx(2 / 3)
+    assert df["mean_set_size"].iloc[0] == pytest.approx(1.0)
+
+
+def test_prefetch_table_budget_of_all_experts_has_full_recall(hand_trace):
+    df = widgets.prefetch_table(hand_trace, "count budget", 4, phase="decode")
+    assert df["recall"].iloc[0] == 1.0 and df["precision"].iloc[0] == pytest.approx(1 / 4)
+
+
+def test_unknown_choices_are_refused(hand_trace):
+    with pytest.raises(ValueError, match="unknown rule"):
+        widgets.prefetch_table(hand_trace, "magic")
+    with pytest.raises(ValueError, match="calibration trace"):
+        widgets.cache_table(hand_trace, 0, 2, "miss_curve")
+
+
+def test_cache_table_one_slot_per_layer_by_hand(hand_trace):
+    # 1 slot per layer, LRU, no prefetch. Layer 0 sees 0,1,2,3: all misses. Layer 1 sees
+    # 0,2,2,3: misses, then a hit on the repeated 2, then a miss -> decode hits: layer 0 none,
+    # layer 1 one of three.
+    df = widgets.cache_table(hand_trace, 0, 2, "uniform", "lru", "none (cache only)")
+    assert df["slots"].tolist() == [1, 1]
+    assert df["hits"].tolist() == [0, 1]
+    assert df.attrs["overall"]["hit_rate_decode"] == pytest.approx(1 / 6)
+
+
+def test_cache_table_with_oracle_prefetch_hits_every_layer1_use(hand_trace):
+    df = widgets.cache_table(hand_trace, 0, 2, "uniform", "lru", "oracle")
+    assert df["hits"].tolist() == [0, 4]  # layer 0 cannot be prefetched; layer 1 always is
+
+
+def test_cache_grid_shape_and_monotone_in_budget(hand_trace):
+    grid = widgets.cache_grid(hand_trace, [0, 1], [2, 4, 8], "lru", "none (cache only)", phase="all")
+    assert grid.shape == (2, 3)
+    assert (grid.diff(axis=1).iloc[:, 1:] >= 0).all().all()
+
+
+def test_explorers_build_without_a_browser(hand_trace):
+    box = widgets.prefetch_explorer(hand_trace)
+    assert len(box.children) == 2
+    box = widgets.cache_explorer(hand_trace)
+    assert len(box.children) == 3
+
+
+# --- the prefetch explorer, driven in plain Python (ipywidgets objects work without a browser)
+
+def _controls(box):
+    """The explorer's rule dropdown, and the sliders and labels a reader sees (display not 'none')."""
+    import ipywidgets as W
+
+    row = box.children[0].children
+    dropdown = next(w for w in row if isinstance(w, W.Dropdown))
+    sliders = [w for w in row if isinstance(w, (W.IntSlider, W.FloatSlider)) and w.layout.display != "none"]
+    labels = [w for w in row if isinstance(w, W.Label) and w.layout.display != "none"]
+    return dropdown, sliders, labels
+
+
+# label -> (slider class name, min, max, value, words the slider's label must hold) on the hand trace (E=4, k=1)
+EXPECTED_SLIDERS = {
+    "top-(k+α)": ("IntSlider", 0, 3, 1, "extra experts"),
+    "percentile (paper: q=75)": ("FloatSlider", 50.0, 99.0, 75.0, "percentile q (%)"),
+    "cumulative probability": ("FloatSlider", 0.5, 0.99, 0.9, "cumulative mass p"),
+    "count budget": ("IntSlider", 1, 4, 4, "experts per layer n"),
+}
+
+
+@pytest.mark.parametrize("path", [
+    ["cumulative probability", "count budget"],  # the reported TraitError: min 1 set above max 0.99
+    ["cumulative probability", "percentile (paper: q=75)", "cumulative probability"],
+    ["count budget", "cumulative probability", "top-k", "count budget", "top-(k+α)", "percentile (paper: q=75)"],
+], ids=["cumulative-to-budget", "percentile-roundtrip", "every-rule"])
+def test_explorer_switching_rules_sets_the_right_slider_and_draws_that_rule(hand_trace, path):
+    box = widgets.prefetch_explorer(hand_trace)
+    dropdown, _, _ = _controls(box)
+    for label in path:
+        dropdown.value = label  # raised TraitError (min > max) on the way, leaving the old rule drawn
+        _, sliders, labels = _controls(box)
+        if label == "top-k":
+            assert sliders == [] and [w.value for w in labels] == ["k = 1 (the model's top-k)"]
+            assert box.rendered["rule"] == widgets.make_rule(hand_trace, "top-k")
+            continue
+        kind, lo, hi, value, words = EXPECTED_SLIDERS[label]
+        assert len(sliders) == 1, f"{label}: one slider shown, got {sliders}"
+        s = sliders[0]
+        assert (type(s).__name__, s.min, s.max, s.value) == (kind, lo, hi, value), label
+        assert words in s.description
+        assert box.rendered["rule"] == widgets.make_rule(hand_trace, label, value)
+        assert box.rendered["title"].startswith(label.split(" (")[0])
+
+
+def test_explorer_count_budget_is_an_int_slider_up_to_the_number_of_experts(hand_trace):
+    box = widgets.prefetch_explorer(hand_trace)
+    dropdown, _, _ = _controls(box)
+    dropdown.value = "count budget"
+    _, (s,), _ = _controls(box)
+    assert type(s).__name__ == "IntSlider" and s.max == hand_trace.num_experts == 4
+    s.value = 2
+    assert box.rendered["rule"] == widgets.make_rule(hand_trace, "count budget", 2)
+    assert "n = 2 experts" in box.rendered["title"]
+    assert box.rendered["table"]["mean_set_size"].iloc[0] == pytest.approx(2.0)
+
+
+def test_explorer_draws_once_per_change(hand_trace, monkeypatch):
+    box = widgets.prefetch_explorer(hand_trace)
+    dropdown, _, _ = _controls(box)
+    calls = []
+    real = widgets.prefetch_table
+    monkeypatch.setattr(widgets, "prefetch_table", lambda *a, **kw: calls.append(a[1:]) or real(*a, **kw))
+    dropdown.value = "cumulative probability"  # 50..99 -> 0.5..0.99 clamps the value on the way
+    dropdown.value = "count budget"
+    assert calls == [("cumulative probability", 0.9, "decode"), ("count budget", 4, "decode")]
+
+
+def test_set_bounds_moves_either_way_without_min_above_max():
+    import ipywidgets as W
+
+    s = W.FloatSlider(min=0.5, max=0.99, value=0.9)
+    widgets._set_bounds(s, 50.0, 99.0, 1.0, 75.0)  # up past the old max
+    assert (s.min, s.max, s.value) == (50.0, 99.0, 75.0)
+    widgets._set_bounds(s, 0.5, 0.99, 0.01, 0.9)  # down below the old min
+    assert (s.min, s.max, s.value) == (0.5, 0.99, 0.9)
+
+
+def test_make_rule_refuses_a_fractional_count(hand_trace):
+    assert widgets.make_rule(hand_trace, "count budget", 3.0) == widgets.make_rule(hand_trace, "count budget", 3)
+    with pytest.raises(ValueError, match="whole number"):
+        widgets.make_rule(hand_trace, "count budget", 2.5)
+
+
+def _recorded(seed: int = 6):
+    from helpers import prompt_ids
+
+    from fate_lab.model.adapters import adapt
+    from fate_lab.model.testing import tiny_model
+    from fate_lab.model.record import record_trace
+    from fate_lab.hardware.setups import Hardware
+    from fate_lab.core.shape import ModelShape
+
+    model = tiny_model("olmoe", seed=seed)
+    prompts = [prompt_ids(model.config.vocab_size, n=10, seed=s)[0].tolist() for s in range(2)]
+    trace = record_trace(model, None, prompts, decode_tokens=8, progress=False)
+    shape = ModelShape.from_adapter(adapt(model))
+    return trace, shape, Hardware.setup("qwen15_moe_rtx3090_pcie3", shape.nbytes(None))
+
+
+def test_host_table_and_explorer():
+    trace, shape, hw = _recorded()
+    slots = shape.num_moe_layers * shape.num_experts // 4
+    df = widgets.host_table(trace, shape, hw, slots)
+    assert df.loc["fate", "speed vs fate"] == 1.0
+    assert df.loc["all_host", "experts moved per token"] == 0.0  # nothing lives on the device
+    slow = widgets.host_table(trace, shape, hw, slots, speed=1 / 64)  # a host 64x slower: loading wins again
+    assert slow.loc["all_host", "predicted decode tok/s"] < df.loc["all_host", "predicted decode tok/s"]
+    assert slow.loc["fate", "predicted decode tok/s"] == pytest.approx(df.loc["fate", "predicted decode tok/s"])
+    with pytest.raises(ValueError, match="host speed"):
+        widgets.host_table(trace, shape, hw, slots, speed=0)
+    box = widgets.host_explorer(trace, shape, hw, slots)
+    assert box.rendered["profile"] == "desktop_ddr4" and "speed vs fate" in box.rendered["table"]
+
+
+def test_threshold_table_and_explorer():
+    import pandas as pd
+
+    trace, shape, hw = _recorded()
+    slots = shape.num_moe_layers * shape.num_experts // 4
+    none = widgets.threshold_table(trace, shape, hw, slots, "drop", 0.0)  # nothing is below a share of 0
+    assert none["predicted decode tok/s"].iloc[1] == pytest.approx(none["predicted decode tok/s"].iloc[0])
+    every = widgets.threshold_table(trace, shape, hw, slots, "drop", 1.0)  # every decode miss dropped
+    assert every["experts moved per token"].iloc[1] < every["experts moved per token"].iloc[0]
+    measured = pd.DataFrame({"policy": ["drop", "drop"], "threshold": [0.1, 0.5], "perplexity change": [0.01, 0.2],
+                             "greedy agreement": [0.95, 0.7]})
+    t = widgets.threshold_table(trace, shape, hw, slots, "drop", 0.4, measured)
+    assert t["measured agreement"].iloc[1] == 0.7  # the nearest measured threshold is 0.5
+    with pytest.raises(ValueError, match="lossy rule"):
+        widgets.threshold_table(trace, shape, hw, slots, "skip", 0.1)
+    box = widgets.threshold_explorer(trace, shape, hw, slots, measured)
+    assert box.rendered["kind"] == "drop"
