@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> str:
                     res = simulate(trace, dataclasses.replace(cfg, slots=int(total * share)), Hardware(prof, link),
                                    shape)
                     base = base or res.decode_tok_s
-                    rows[name].append(f"{res.decode_tok_s / base:.2f} ({res.stats.summary()['decode']['hit_rate']:.2f})")
+                    rows[name].append(f"{res.decode_tok_s / base:.2f} ({res.hit_rate('decode'):.2f})")
             lines += [f"| {n} | " + " | ".join(v) + " |" for n, v in rows.items()] + [""]
             print("\n".join(lines[-len(configs) - 4:]), flush=True)
     lines.append(f"Wall time {time.time() - t0:.0f} s.")

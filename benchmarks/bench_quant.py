@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from fate_lab.core.config import OffloadConfig
 from fate_lab.model.adapters import adapt
 from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes, quality_report, quantize, quantize_model_experts
 
@@ -116,12 +117,13 @@ def speed_table(model, input_ids: torch.Tensor, new_tokens: int, cache_share: fl
     for link in links:
         ref = None
         for preset in ("fate", "fate_int8", "fate_quant"):
-            run = run_preset(model, input_ids, preset, new_tokens, slots=slots, link=link, layer_compute_s=layer_s)
+            run = run_preset(model, input_ids, OffloadConfig.preset(preset, slots=slots, link=link, layer_compute_s=layer_s),
+                             new_tokens)
             ref = run["tokens"] if ref is None else ref
             r = run["row"]
             rows.append(dict(link=link, preset=preset, slots=slots,
-                             mib_per_decode_token=r["MiB moved per decode token"], decode_tok_s=r["decode tok/s"],
-                             ttft_ms=r["TTFT (ms)"], hit_rate=r["hit rate decode"],
+                             mib_per_decode_token=r["MiB moved per token"], decode_tok_s=r["decode tok/s"],
+                             ttft_ms=r["TTFT (ms)"], hit_rate=r["decode hit rate"],
                              same_tokens_as_fate=run["tokens"] == ref))
     return rows
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> str:
     t0 = time.time()
     model, _ = load()
     shape = ModelShape.from_adapter(adapt(model))
-    hw = Hardware.setup("qwen15_moe_rtx3090_pcie3", shape.nbytes(None))
+    hw = Hardware.scaled("qwen15_moe_rtx3090_pcie3")
     total = shape.num_moe_layers * shape.num_experts
     lines = [f"# Replacement beyond ARC ({time.strftime('%Y-%m-%d')})", "",
              f"`python -m benchmarks.bench_replacement {shlex.join(argv or sys.argv[1:])}`", "",
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> str:
         trace = get_trace(split=split)
         for share in (0.25, 0.5):
             slots = int(total * share) // shape.num_moe_layers
-            hit = {p: replay(trace, slots_per_layer=slots, policy=p).overall["hit_rate_decode"]
+            hit = {p: replay(trace, slots_per_layer=slots, policy=p).hit_rate("decode")
                    for p in POLICIES + ["belady"]}
             best = max(POLICIES, key=hit.get)
             lines.append(f"| {split} replay | {share:.0%} | " + " | ".join(f"{hit[p]:.3f}" for p in POLICIES)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> str:
                          f"{100 * (hit['belady'] - hit[best]):.1f} pts |")
             sims = {p: simulate(trace, OffloadConfig.preset("fate", slots=int(total * share), replacement=p), hw, shape)
                     for p in POLICIES}
-            sh = {p: r.stats.summary()["decode"]["hit_rate"] for p, r in sims.items()}
+            sh = {p: r.hit_rate("decode") for p, r in sims.items()}
             best = max(POLICIES, key=sh.get)
             lines.append(f"| {split} simulator (fate) | {share:.0%} | " + " | ".join(
                 f"{sh[p]:.3f} ({sims[p].decode_tok_s:.0f})" for p in POLICIES) + f" | — | {best} "

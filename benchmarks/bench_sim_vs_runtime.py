@@ -24,10 +24,9 @@ import torch
 from fate_lab.model.adapters import adapt
 from fate_lab.model.record import record_trace
 from fate_lab.core.config import OffloadConfig
-from fate_lab.hardware.setups import resolve_link
 from fate_lab.offloading.runtime import calibrate_layer_time, offload
 from fate_lab.fit.calibrate import calibrate_compute
-from fate_lab.hardware.setups import Hardware
+from fate_lab.hardware.setups import run_hardware
 from fate_lab.core.shape import ModelShape
 from fate_lab.sim.simulate import simulate
 
@@ -106,10 +105,9 @@ def main(argv: list[str] | None = None) -> str:
                     lines.append(f"| {link_name} | {share:.0%} | {name} | {r['tok_s']:.1f} | — | — | "
                                  f"{r['stall_ms']:.2f} | — | {r['hit']:.3f} | — |")
                     continue
-                link = resolve_link(link_name, a.bytes_per_expert(), layer_s)
-                sim = simulate(trace, cfg, Hardware(compute, link), shape)
-                sd = sim.stats.summary()["decode"]
-                n_dec = len(sim.stats.forward_s["decode"])
+                sim = simulate(trace, cfg, run_hardware(link_name, layer_s, compute), shape)
+                sd = sim.summary()["decode"]
+                n_dec = len(sim.forward_s["decode"])
                 lines.append(f"| {link_name} | {share:.0%} | {name} | {r['tok_s']:.1f} | {sim.decode_tok_s:.1f} | "
                              f"{sim.decode_tok_s / r['tok_s']:.2f} | {r['stall_ms']:.2f} | "
                              f"{1e3 * sd['stall_s'] / n_dec:.2f} | {r['hit']:.3f} | {sd['hit_rate']:.3f} |")

@@ -27,10 +27,9 @@ import torch
 from fate_lab.model.adapters import adapt
 from fate_lab.model.record import record_trace
 from fate_lab.core.config import OffloadConfig
-from fate_lab.hardware.setups import resolve_link
 from fate_lab.offloading.runtime import calibrate_layer_time
 from fate_lab.fit.calibrate import calibrate_compute
-from fate_lab.hardware.setups import Hardware
+from fate_lab.hardware.setups import run_hardware
 from fate_lab.core.shape import ModelShape
 from fate_lab.sim.speculative import (
     break_even_acceptance,
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> str:
     trace = record_trace(model, tok, prompts, decode_tokens=n - 1, progress=False)
     matches = draft_matches(draft, trace)
     shape = ModelShape.from_adapter(a)
-    hw = Hardware(compute, resolve_link(args.link, a.bytes_per_expert(), layer_s))
+    hw = run_hardware(args.link, layer_s, compute)
     cfg = dataclasses.replace(OffloadConfig.preset("fate"), link=args.link, slots=args.slots, layer_compute_s=layer_s)
 
     # measured: plain fate (window 0) and each window, tokens checked against plain decoding

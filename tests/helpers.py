@@ -24,3 +24,65 @@ def embedded_models() -> list:
     return [pytest.param(name, id=name, marks=pytest.mark.skipif(not (folder / "model.safetensors").is_file(),
                                                                  reason=f"embedded model data/{name} not present"))
             for name, folder in EMBEDDED_MODELS.items()]
+
+
+class ScriptedLink:
+    """A `policy.cache.Link` a test drives by hand: transfers land only when the test says so.
+
+    ``instant=True`` lands every transfer in ``submit`` (the replay's link). Otherwise a transfer stays in
+    flight until ``land(handle)``; ``wait`` lands it (the stall a test can count in ``waits``); ``cancel``
+    succeeds while it has not been ``start``-ed. ``submitted`` keeps (m, e, slot, urgent, reason) in order.
+    """
+
+    def __init__(self, instant: bool = False, capacity: int | None = None):
+        self.instant, self.cap = instant, capacity
+        self.submitted: list[tuple] = []
+        self.landed: set[int] = set()
+        self.started: set[int] = set()
+        self.cancelled: list[tuple] = []
+        self.waits: list[tuple[int, int]] = []
+        self.reloads: list[tuple] = []
+        self.fail: set[int] = set()  # handles that fail when they land
+
+    def submit(self, m, e, slot, urgent, reason):
+        self.submitted.append((m, e, slot, urgent, reason))
+        h = len(self.submitted) - 1
+        if self.instant:
+            self.landed.add(h)
+        return h
+
+    def start(self, h: int) -> None:
+        """The link begins moving h: it can no longer be cancelled."""
+        self.started.add(h)
+
+    def land(self, h: int) -> None:
+        """h's bytes are in its slot now."""
+        self.started.add(h)
+        self.landed.add(h)
+
+    def cancel(self, h) -> bool:
+        if h in self.started or h in self.landed:
+            return False
+        self.cancelled.append(self.submitted[h])
+        self.started.add(h)  # a cancelled transfer never lands
+        return True
+
+    def poll(self, h):
+        if h in self.landed:
+            return h not in self.fail
+        return None
+
+    def wait(self, m, e, h) -> bool:
+        self.waits.append((m, e))
+        self.land(h)
+        return h not in self.fail
+
+    def reload(self, m, e, slot, reason) -> None:
+        self.reloads.append((m, e, slot, reason))
+
+    def capacity(self, m):
+        return self.cap
+
+    def kinds(self) -> list[str]:
+        """'demand' / 'prefetch' of every submission, in order."""
+        return ["demand" if s[3] else "prefetch" for s in self.submitted]

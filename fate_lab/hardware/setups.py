@@ -171,17 +171,17 @@ def is_scaled(link: str) -> bool:
     return link in SETUPS
 
 
-def run_hardware(link: str, layer_s: float | None = None) -> Hardware:
+def run_hardware(link: str, layer_s: float | None = None, compute: ComputeProfile | None = None) -> Hardware:
     """The hardware a run over `link` uses: "instant", a real profile, or a setup scaled to this run's clock
-    (needs layer_s, this machine's calibrated decode-layer time). Compute stays the caller's."""
+    (needs layer_s, this machine's calibrated decode-layer time), with `compute` (None: the runtime measures)."""
     if link == "instant":
-        return Hardware(None, None)
+        return Hardware(compute, None)
     if link in LINK_PROFILES:
-        return Hardware(None, LINK_PROFILES[link])
+        return Hardware(compute, LINK_PROFILES[link])
     if link in SETUPS:
         if layer_s is None:
             raise ValueError(f"the scaled link {link!r} needs this machine's layer time (layer_s)")
-        return Hardware.scaled(link, layer_s)
+        return Hardware.scaled(link, layer_s, compute)
     raise ValueError(f"unknown link {link!r}; choose 'instant' or one of {link_names()}")
 
 

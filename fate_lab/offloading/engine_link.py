@@ -18,11 +18,14 @@ class EngineLink:
 
     def __init__(self, ctx: LinkContext, engine: TransferEngine):
         self.ctx, self.engine = ctx, engine
+        self.observers: list = []  # callables fed every Transfer queued (`Runtime.watch_transfers`)
 
     def submit(self, m: int, e: int, slot: int, urgent: bool, reason: str) -> Transfer:
         """Queue (m, e) on the engine at the precision of reason."""
         t = self.engine.submit(m, e, slot, urgent=urgent, spec=self.ctx.spec(m, reason))
         t.reason = reason
+        for fn in self.observers:
+            fn(t)
         return t
 
     def cancel(self, t: Transfer) -> bool:

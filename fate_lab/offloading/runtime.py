@@ -106,7 +106,8 @@ class Runtime:
         self.link = core.hardware.link
         self.engine = build_engine(self.store, self.slots, self.link, self.device, native,
                                    self.config.transfer_timeout_s)
-        self.cache = core.build_cache(EngineLink(core, self.engine))
+        self._link = EngineLink(core, self.engine)
+        self.cache = core.build_cache(self._link)
         self.standin: list[list[PackedExpert]] | None = None
         if self.config.lossy == "standin":  # HOBBIT: every expert's INT2 copy moves to the device once, up front
             def packed(m: int, e: int) -> PackedExpert:
@@ -231,6 +232,11 @@ class Runtime:
         warm-start hook."""
         for e, slot in self.cache.preload(m, list(experts)):
             self.engine.load_now(m, e, slot, self.core.spec(m, "cache"), timed=False)
+
+    def watch_transfers(self, fn) -> None:
+        """Call fn(transfer) with every `transfer.Transfer` queued from now on (its expert, slot, precision,
+        packed size, urgency, and later its timing): a tracing and test hook."""
+        self._link.observers.append(fn)
 
     def set_fault(self, fault) -> None:
         """Fault injection (tests, chaos runs): fault(m, e) -> True fails that transfer; an exception raised in

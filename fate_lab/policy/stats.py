@@ -163,13 +163,13 @@ class RunStats:
         return out
 
     def summary(self) -> dict[str, dict]:
-        """Per phase totals with hit rate, recall, precision, set size, stall and bytes; ttft_s and decode_tok_s."""
+        """Per phase totals with hit rate, recall, precision, set size, stall and bytes (speeds: `ttft_s`,
+        `decode_tok_s`)."""
         out: dict = {}
         for phase in PHASES:
             s = self.total(phase)
             out[phase] = {**dataclasses.asdict(s), **{k: getattr(s, k) for k in _DERIVED},
                           "forwards": len(self.forward_s[phase]), "forward_s": sum(self.forward_s[phase])}
-        out["ttft_s"], out["decode_tok_s"] = self.ttft_s, self.decode_tok_s
         return out
 
     def row(self, name: str = "") -> dict:

@@ -208,8 +208,9 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
     """
     uses, preds, phases, L, k, trace = _prepare(experts, predictions, phase)
     unit = expert_bytes if expert_bytes is not None else 1 if shape is None else shape.nbytes(None)
-    shape = shape or trace_shape(experts)
     config = _replay_config(config, L, slots_per_layer, policy, prefetch_buffer, admit_prefetch)
+    if shape is None:  # ids seen are a lower bound on a bare tensor's expert count; slots asked for may say more
+        shape = trace_shape(experts, max(trace_shape(experts).num_experts, max(config.slots_per_layer or (0,))))
     core = DriverCore(config, shape, Hardware(None, None), driver="replay")
     router = _router(trace, shape)
     if preds is None and config.predictor is not None:

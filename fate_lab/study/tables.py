@@ -104,7 +104,8 @@ def cache_table(trace: Trace, config: OffloadConfig, calibration: Trace | None =
     cfg = dataclasses.replace(config, predictor=None, prefetch_buffer_experts=(
         (config.prefetch_buffer_experts or trace.top_k) if preds is not None else 0))
     st = replay(trace, cfg, predictions=preds)
-    rows = [{"layer": m, "slots": st.slots_per_layer[m],
+    rows = [{"layer": m, "slots": st.slots_per_layer[m], "uses": layer["prefill"].uses + layer["decode"].uses,
+             "hits": layer["prefill"].hits + layer["decode"].hits,
              "hit_rate_prefill": layer["prefill"].hit_rate if layer["prefill"].uses else float("nan"),
              "hit_rate_decode": layer["decode"].hit_rate if layer["decode"].uses else float("nan"),
              "prefetch_loads": layer["prefill"].prefetch_issued + layer["decode"].prefetch_issued,

@@ -7,7 +7,6 @@ import torch
 from helpers import greedy, prompt_ids
 
 from fate_lab.model.adapters import adapt
-from fate_lab.model.testing import tiny_model
 from fate_lab.model.record import record_trace
 from fate_lab.core.config import OffloadConfig
 from fate_lab.offloading.runtime import offload
@@ -48,8 +47,8 @@ def _restored(model) -> bool:
 
 
 @pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt])
-def test_a_dying_transfer_worker_fails_loudly_and_gives_the_model_back(exc):
-    model = tiny_model("qwen2_moe", seed=0)
+def test_a_dying_transfer_worker_fails_loudly_and_gives_the_model_back(exc, tiny_models):
+    model = tiny_models("qwen2_moe", seed=0)
     ids = _ids(model)
     ref = _gen(model, ids)
     rt = offload(model, OffloadConfig.preset("lru", link="pcie3_x16", slots=2, transfer_timeout_s=20))
@@ -57,7 +56,7 @@ def test_a_dying_transfer_worker_fails_loudly_and_gives_the_model_back(exc):
     def fault(m, e):
         raise exc("fault hook")
 
-    rt.engine.fault = fault
+    rt.set_fault(fault)
     box = _in_thread(lambda: _gen(model, ids))
     assert isinstance(box.get("error"), TransferError) and "died" in str(box["error"])
     assert rt.threads == [] or not any(t.is_alive() for t in rt.engine.threads)
@@ -65,12 +64,12 @@ def test_a_dying_transfer_worker_fails_loudly_and_gives_the_model_back(exc):
     assert torch.equal(_gen(model, ids), ref)  # the caller's weights, exactly
 
 
-def test_a_blocking_store_read_times_out_naming_the_expert():
-    model = tiny_model("qwen2_moe", seed=0)
+def test_a_blocking_store_read_times_out_naming_the_expert(tiny_models):
+    model = tiny_models("qwen2_moe", seed=0)
     ids = _ids(model)
     release = threading.Event()
     rt = offload(model, OffloadConfig.preset("load_on_demand", link="pcie3_x16", transfer_timeout_s=1.0))
-    rt.engine.fault = lambda m, e: release.wait(30) and False  # the first read blocks until released
+    rt.set_fault(lambda m, e: release.wait(30) and False)  # the first read blocks until released
     box = _in_thread(lambda: _gen(model, ids), timeout=30)
     release.set()
     err = box.get("error")
@@ -78,8 +77,8 @@ def test_a_blocking_store_read_times_out_naming_the_expert():
     assert _restored(model)
 
 
-def test_concurrent_generate_is_refused_never_wrong():
-    model = tiny_model("qwen2_moe", seed=0)
+def test_concurrent_generate_is_refused_never_wrong(tiny_models):
+    model = tiny_models("qwen2_moe", seed=0)
     prompts = [_ids(model, s) for s in range(4)]
     refs = [_gen(model, p, 12) for p in prompts]
     results: list = [None] * 4
@@ -104,8 +103,8 @@ def test_concurrent_generate_is_refused_never_wrong():
             assert torch.equal(r, ref)  # never a wrong token
 
 
-def test_offloading_twice_and_recording_an_offloaded_model_say_so():
-    model = tiny_model("qwen2_moe", seed=0)
+def test_offloading_twice_and_recording_an_offloaded_model_say_so(tiny_models):
+    model = tiny_models("qwen2_moe", seed=0)
     with offload(model, OffloadConfig.preset("lru", link="instant", slots=2)):
         with pytest.raises(RuntimeError, match="already offloaded"):
             offload(model, OffloadConfig.preset("lru", link="instant", slots=2))
@@ -114,9 +113,9 @@ def test_offloading_twice_and_recording_an_offloaded_model_say_so():
     assert _restored(model)
 
 
-def test_the_runtimes_own_threads_end_with_close():
+def test_the_runtimes_own_threads_end_with_close(tiny_models):
     """By reference (threading.enumerate() only lists live threads, so it cannot show a leak)."""
-    model = tiny_model("qwen2_moe", seed=0)
+    model = tiny_models("qwen2_moe", seed=0)
     rt = offload(model, OffloadConfig.preset("fate", link="pcie3_x16", slots=2))
     own = rt.threads
     assert own and all(t.is_alive() for t in own)
@@ -133,8 +132,8 @@ def test_bad_config_values_name_the_field(field, value):
         OffloadConfig.preset("fate", **{field: value})
 
 
-def test_close_gives_back_exactly_the_tensors_it_took_on_cpu():
-    model = tiny_model("qwen2_moe", seed=0)
+def test_close_gives_back_exactly_the_tensors_it_took_on_cpu(tiny_models):
+    model = tiny_models("qwen2_moe", seed=0)
     a = adapt(model)
     before = [(a.experts_module(m).gate_up_proj, a.experts_module(m).down_proj) for m in range(a.num_moe_layers)]
     with offload(model, OffloadConfig.preset("fate", link="instant", slots=2)):
@@ -148,8 +147,8 @@ def _saved(model, tmp_path):
     return str(tmp_path / "ckpt")
 
 
-def test_ssd_store_refuses_a_checkpoint_that_is_not_the_model(tmp_path):
-    model = tiny_model("qwen2_moe", seed=0)
+def test_ssd_store_refuses_a_checkpoint_that_is_not_the_model(tmp_path, tiny_models):
+    model = tiny_models("qwen2_moe", seed=0)
     ckpt = _saved(model, tmp_path)
     a = adapt(model)
     with torch.no_grad():
@@ -157,15 +156,15 @@ def test_ssd_store_refuses_a_checkpoint_that_is_not_the_model(tmp_path):
     with pytest.raises(ValueError, match=r"experts\.3\.down_proj.*differs from the in-memory model's expert 3 of MoE layer 1"):
         offload(model, OffloadConfig.preset("lru", link="instant", slots=2, store="ssd", checkpoint=ckpt))
     assert _restored(model)
-    other = tiny_model("qwen2_moe", seed=0, hidden_size=48)  # another hidden size
+    other = tiny_models("qwen2_moe", seed=0, hidden_size=48)  # another hidden size
     with pytest.raises(ValueError, match="has shape"):
         offload(other, OffloadConfig.preset("lru", link="instant", slots=2, store="ssd", checkpoint=ckpt))
 
 
-def test_ssd_store_survives_its_file_vanishing_and_keeps_the_original_error(tmp_path):
+def test_ssd_store_survives_its_file_vanishing_and_keeps_the_original_error(tmp_path, tiny_models):
     import shutil
 
-    model = tiny_model("qwen2_moe", seed=0)
+    model = tiny_models("qwen2_moe", seed=0)
     ids = _ids(model)
     ref = _gen(model, ids)
     ckpt = _saved(model, tmp_path)

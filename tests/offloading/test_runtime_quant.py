@@ -43,14 +43,14 @@ def _hand_expert_bytes(hidden: int, inter: int, bits: int, group: int) -> int:
     return _hand_nbytes(2 * inter, hidden, bits, group) + _hand_nbytes(hidden, inter, bits, group)
 
 
-def test_quant_presets_are_listed_apart_and_bad_names_are_refused():
+def test_quant_presets_are_listed_apart_and_bad_names_are_refused(tiny_models):
     assert "fate_quant" not in OffloadConfig.preset_names()  # the exact-output presets only
     assert {"fate_quant", "fate_int8"} <= set(OffloadConfig.preset_names(include_quant=True))
     assert OffloadConfig.preset("fate_quant").quant == "fate" and OffloadConfig.preset("fate").quant is None
     with pytest.raises(ValueError, match="QuantPolicy preset"):
         offload(_model(), OffloadConfig.preset("fate", quant="int5", link="test_fast"))
     with pytest.raises(ValueError, match="group size"):  # width 32 is not a multiple of group 64
-        offload(tiny_model("qwen2_moe", seed=1), OffloadConfig.preset("fate_quant", link="test_fast"))
+        offload(tiny_models("qwen2_moe", seed=1), OffloadConfig.preset("fate_quant", link="test_fast"))
 
 
 def test_int8_everywhere_keeps_the_greedy_output():
@@ -88,14 +88,7 @@ def test_fate_quant_moves_packed_bytes_at_the_policy_precisions():
     assert per_spec == {"int4/g64": 6912, "int2/g32": 4608}  # vs 49152 bytes at fp32
     seen: list = []
     with offload(model, OffloadConfig.preset("fate_quant", link="test_fast", slots=12)) as rt:
-        submit = rt.engine.submit
-
-        def spy(*args, **kw):
-            t = submit(*args, **kw)
-            seen.append(t)
-            return t
-
-        rt.engine.submit = spy
+        rt.watch_transfers(seen.append)
         tokens, logits = _generate(model, ids)
     assert tokens.shape[1] == ids.shape[1] + NEW_TOKENS and torch.isfinite(logits.max(-1).values).all()
     assert rt.store.describe() == "ram + packed int4/g64, int2/g32"
@@ -121,7 +114,7 @@ def test_failed_quantized_transfer_reloads_at_its_precision():
     ids = prompt_ids(model.config.vocab_size, seed=1)
     ref_tokens, ref_logits = _generate(quantize_model_experts(model, QuantSpec.preset("int4")), ids)
     with offload(model, OffloadConfig.preset("fate", link="test_fast", slots=4, quant="int4")) as rt:
-        rt.engine.fault = lambda m, e: e % 2 == 0
+        rt.set_fault(lambda m, e: e % 2 == 0)
         tokens, logits = _generate(model, ids)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
@@ -232,11 +225,10 @@ def test_emulated_link_holds_for_the_packed_bytes_and_dequantizes_into_the_slot(
 
 
 @pytest.mark.parametrize("model_name", embedded_models())
-def test_embedded_model_int8_greedy_output_matches_on_heldout_prompts(model_name):
+def test_embedded_model_int8_greedy_output_matches_on_heldout_prompts(model_name, embedded_model):
     from fate_lab.model.corpus import heldout_prompts
-    from fate_lab.model.models import load_model
 
-    model, tok = load_model(model_name)
+    model, tok = embedded_model(model_name)
     agree = total = 0
     for prompt in heldout_prompts(2, max_chars=120):
         ids = tok(prompt, return_tensors="pt")["input_ids"]

@@ -6,17 +6,15 @@ committed step queues no load; the stand-in is the expert the similarity table n
 """
 import pytest
 import torch
-from helpers import greedy, prompt_ids
+from helpers import ScriptedLink, greedy, prompt_ids
 
-from fate_lab.model.testing import tiny_model
 from fate_lab.core.config import OffloadConfig
 from fate_lab.offloading.runtime import offload
 from fate_lab.policy.cache import ExpertCache
 from fate_lab.policy.lossy import MissPolicy
 from fate_lab.policy.replacement import LRU
 from fate_lab.policy.similarity import ExpertSimilarity
-from fate_lab.policy.step import run_layer
-from fate_lab.sim.replay import _Landed
+from fate_lab.policy.step import LayerCall, StepRules, run_layer
 
 
 def _table(M: int, E: int, best: int) -> ExpertSimilarity:
@@ -52,23 +50,23 @@ def test_miss_rules_by_hand():
 def test_layer_step_computes_the_stand_in_from_its_slot():
     """One decode call of a layer with expert 5 cached: misses 3 and 4 (low weight) compute from 5's slot,
     before anything else, and no transfer is queued for them; 1 (high weight) is loaded."""
-    link = _Landed()
+    link = ScriptedLink(instant=True)
     cache = ExpertCache([2], lambda m, c: LRU(c), top_k=4, prefetch_buffers=0, link=link)
     cache.phase = "decode"
     [(e5, slot5)] = cache.preload(0, [5])
     calls = []
-    order = run_layer(cache, None, 0, torch.tensor([[1, 5, 3, 4]]), lambda: None,
-                      lambda e, slot: calls.append((e, slot)), miss_policy=MissPolicy("substitute", 0.2, _table(1, 6, 5)),
-                      weights=torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    rules = StepRules(None, None, miss_policy=MissPolicy("substitute", 0.2, _table(1, 6, 5)))
+    order = run_layer(cache, rules, LayerCall(0, torch.tensor([[1, 5, 3, 4]]), lambda e, slot: calls.append((e, slot)),
+                                              weights=torch.tensor([[0.5, 0.3, 0.15, 0.05]])))
     assert calls[:2] == [(3, slot5), (4, slot5)]
     assert order == [3, 4, 5, 1]
-    assert link.loads == [0, 1]  # one demand load (expert 1), none for the substituted ones
+    assert link.kinds() == ["demand"] and link.submitted[0][1] == 1  # expert 1 loaded; none for the substituted
     st = cache.stats[0]["decode"]
     assert (st.misses, st.substituted, st.dropped, st.hits) == (3, 2, 0, 1)
 
 
-def test_never_firing_thresholds_keep_tokens_and_always_committing_moves_nothing():
-    model = tiny_model("olmoe", seed=4)
+def test_never_firing_thresholds_keep_tokens_and_always_committing_moves_nothing(tiny_models):
+    model = tiny_models("olmoe", seed=4)
     ids = prompt_ids(model.config.vocab_size, n=10)
     ref, _ = greedy(model, ids, 8)
     for kind in ("drop", "commit"):  # threshold 0: no share is below it, no router mass is below it
@@ -86,12 +84,12 @@ def test_never_firing_thresholds_keep_tokens_and_always_committing_moves_nothing
     assert d["bytes_moved"] == 0 and d["dropped"] == d["misses"] > 0
 
 
-def test_dropping_every_miss_renormalises_over_the_kept_experts():
+def test_dropping_every_miss_renormalises_over_the_kept_experts(tiny_models):
     """A decode layer that keeps experts K' of the top-k returns sum_{K'} w y * (sum_k w / sum_{K'} w): checked
     against the plain experts module on the same input with the dropped weights zeroed and rescaled."""
     from fate_lab.model.adapters import adapt
 
-    model = tiny_model("olmoe", seed=5)
+    model = tiny_models("olmoe", seed=5)
     a = adapt(model)
     experts = a.experts_module(0)
     gate_up, down = experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
@@ -100,9 +98,8 @@ def test_dropping_every_miss_renormalises_over_the_kept_experts():
     idx = torch.tensor([[0, 1, 2, 3][: a.top_k]])
     w = torch.linspace(0.4, 0.1, a.top_k).unsqueeze(0)
     with offload(model, cfg) as rt:
-        rt.phase = rt.cache.phase = "decode"
-        for e, slot in rt.cache.preload(0, [0]):  # expert 0 resident, the rest miss and are dropped
-            rt.engine.load_now(0, e, slot, None, timed=False)
+        rt.core.begin_forward("decode")
+        rt.preload(0, [0])  # expert 0 resident, the rest miss and are dropped
         y = rt.layer_forward(0, x, idx, w)
     h = experts._apply_gate(torch.nn.functional.linear(x, gate_up[0]))
     expected = torch.nn.functional.linear(h, down[0]) * w[0, 0] * (w.sum() / w[0, 0])
@@ -124,14 +121,14 @@ def test_standin_rule_by_hand():
         MissPolicy("standin", 0.0, window=-1)
 
 
-def test_standin_runtime_computes_misses_from_resident_int2_copies():
+def test_standin_runtime_computes_misses_from_resident_int2_copies(tiny_models):
     """All misses stand in (window 0: nothing ever counts as recurring) and no predictor: decode moves no byte,
     every miss computes from the INT2 copy, and the output stays close to the plain model's."""
     from fate_lab.core.sizing import standin_pool_bytes
 
     with pytest.raises(ValueError, match="group size 32"):  # mixtral's tiny expert width 40 takes no INT2 g32
-        offload(tiny_model("mixtral"), OffloadConfig.preset("standin", link="instant", slots=2))
-    model = tiny_model("deepseek_v2", seed=7)
+        offload(tiny_models("mixtral"), OffloadConfig.preset("standin", link="instant", slots=2))
+    model = tiny_models("deepseek_v2", seed=7)
     ids = prompt_ids(model.config.vocab_size, n=10)
     ref, ref_scores = greedy(model, ids, 8)
     cfg = OffloadConfig.preset("standin", link="instant", slots=2, standin_window=0, predictor=None)

@@ -7,7 +7,7 @@ import torch
 
 from fate_lab.model.testing import tiny_model
 from fate_lab.core.config import OffloadConfig
-from fate_lab.offloading.hookup import is_offloaded
+from fate_lab.model.adapters import is_offloaded
 from fate_lab.offloading.runtime import offload
 from fate_lab.paths import TINY_MOE_DIR
 from fate_lab.quant import quality_report

@@ -1,9 +1,11 @@
-"""The functions behind the notebook widgets, on a hand-built trace (no browser)."""
+"""The table functions behind the notebook widgets, and the widgets wired to them, on a hand-built trace (no
+browser)."""
 import pytest
 import torch
 
 from fate_lab.model.trace import DECODE, PREFILL, Trace
-from fate_lab.study import widgets
+from fate_lab.policy.rules import CountBudget, TopK
+from fate_lab.study import tables, widgets
 
 
 @pytest.fixture
@@ -21,7 +23,7 @@ def hand_trace():
 
 
 def test_prefetch_table_topk_recall_by_hand(hand_trace):
-    df = widgets.prefetch_table(hand_trace, "top-k", phase="decode")
+    df = tables.prefetch_table(hand_trace, TopK(1), phase="decode")
     # decode tokens 1, 2, 3 predict experts 1, 2, 3 for layer 1; truth 2, 2, 3 -> 2 of 3 right
     assert df["layer"].tolist() == [1]
     assert df["recall"].iloc[0] == pytest.approx(2 / 3)
@@ -30,13 +32,15 @@ def test_prefetch_table_topk_recall_by_hand(hand_trace):
 
 
 def test_prefetch_table_budget_of_all_experts_has_full_recall(hand_trace):
-    df = widgets.prefetch_table(hand_trace, "count budget", 4, phase="decode")
+    df = tables.prefetch_table(hand_trace, CountBudget(4), phase="decode")
     assert df["recall"].iloc[0] == 1.0 and df["precision"].iloc[0] == pytest.approx(1 / 4)
 
 
 def test_unknown_choices_are_refused(hand_trace):
     with pytest.raises(ValueError, match="unknown rule"):
-        widgets.prefetch_table(hand_trace, "magic")
+        widgets.make_rule(hand_trace, "magic")
+    with pytest.raises(TypeError, match="SelectionRule"):
+        tables.prefetch_table(hand_trace, "top-k")
     with pytest.raises(ValueError, match="calibration trace"):
         widgets.cache_table(hand_trace, 0, 2, "miss_curve")
 
@@ -57,7 +61,7 @@ def test_cache_table_with_oracle_prefetch_hits_every_layer1_use(hand_trace):
 
 
 def test_cache_grid_shape_and_monotone_in_budget(hand_trace):
-    grid = widgets.cache_grid(hand_trace, [0, 1], [2, 4, 8], "lru", "none (cache only)", phase="all")
+    grid = tables.cache_grid(hand_trace, [0, 1], [2, 4, 8], "lru", None, phase="all")
     assert grid.shape == (2, 3)
     assert (grid.diff(axis=1).iloc[:, 1:] >= 0).all().all()
 
@@ -131,11 +135,12 @@ def test_explorer_draws_once_per_change(hand_trace, monkeypatch):
     box = widgets.prefetch_explorer(hand_trace)
     dropdown, _, _ = _controls(box)
     calls = []
-    real = widgets.prefetch_table
-    monkeypatch.setattr(widgets, "prefetch_table", lambda *a, **kw: calls.append(a[1:]) or real(*a, **kw))
+    real = tables.prefetch_table
+    monkeypatch.setattr(tables, "prefetch_table", lambda *a, **kw: calls.append(a[1:]) or real(*a, **kw))
     dropdown.value = "cumulative probability"  # 50..99 -> 0.5..0.99 clamps the value on the way
     dropdown.value = "count budget"
-    assert calls == [("cumulative probability", 0.9, "decode"), ("count budget", 4, "decode")]
+    assert calls == [(widgets.make_rule(hand_trace, "cumulative probability", 0.9), "decode"),
+                     (CountBudget(4), "decode")]
 
 
 def test_set_bounds_moves_either_way_without_min_above_max():
@@ -167,20 +172,20 @@ def _recorded(seed: int = 6):
     prompts = [prompt_ids(model.config.vocab_size, n=10, seed=s)[0].tolist() for s in range(2)]
     trace = record_trace(model, None, prompts, decode_tokens=8, progress=False)
     shape = ModelShape.from_adapter(adapt(model))
-    return trace, shape, Hardware.setup("qwen15_moe_rtx3090_pcie3", shape.nbytes(None))
+    return trace, shape, Hardware.scaled("qwen15_moe_rtx3090_pcie3")
 
 
 def test_host_table_and_explorer():
     trace, shape, hw = _recorded()
     slots = shape.num_moe_layers * shape.num_experts // 4
-    df = widgets.host_table(trace, shape, hw, slots)
+    df = tables.host_table(trace, shape, hw, slots)
     assert df.loc["fate", "speed vs fate"] == 1.0
     assert df.loc["all_host", "experts moved per token"] == 0.0  # nothing lives on the device
-    slow = widgets.host_table(trace, shape, hw, slots, speed=1 / 64)  # a host 64x slower: loading wins again
-    assert slow.loc["all_host", "predicted decode tok/s"] < df.loc["all_host", "predicted decode tok/s"]
-    assert slow.loc["fate", "predicted decode tok/s"] == pytest.approx(df.loc["fate", "predicted decode tok/s"])
+    slow = tables.host_table(trace, shape, hw, slots, speed=1 / 64)  # a host 64x slower: loading wins again
+    assert slow.loc["all_host", "decode tok/s"] < df.loc["all_host", "decode tok/s"]
+    assert slow.loc["fate", "decode tok/s"] == pytest.approx(df.loc["fate", "decode tok/s"])
     with pytest.raises(ValueError, match="host speed"):
-        widgets.host_table(trace, shape, hw, slots, speed=0)
+        tables.host_table(trace, shape, hw, slots, speed=0)
     box = widgets.host_explorer(trace, shape, hw, slots)
     assert box.rendered["profile"] == "desktop_ddr4" and "speed vs fate" in box.rendered["table"]
 
@@ -190,15 +195,15 @@ def test_threshold_table_and_explorer():
 
     trace, shape, hw = _recorded()
     slots = shape.num_moe_layers * shape.num_experts // 4
-    none = widgets.threshold_table(trace, shape, hw, slots, "drop", 0.0)  # nothing is below a share of 0
-    assert none["predicted decode tok/s"].iloc[1] == pytest.approx(none["predicted decode tok/s"].iloc[0])
-    every = widgets.threshold_table(trace, shape, hw, slots, "drop", 1.0)  # every decode miss dropped
+    none = tables.threshold_table(trace, shape, hw, slots, "drop", 0.0)  # nothing is below a share of 0
+    assert none["decode tok/s"].iloc[1] == pytest.approx(none["decode tok/s"].iloc[0])
+    every = tables.threshold_table(trace, shape, hw, slots, "drop", 1.0)  # every decode miss dropped
     assert every["experts moved per token"].iloc[1] < every["experts moved per token"].iloc[0]
     measured = pd.DataFrame({"policy": ["drop", "drop"], "threshold": [0.1, 0.5], "perplexity change": [0.01, 0.2],
                              "greedy agreement": [0.95, 0.7]})
-    t = widgets.threshold_table(trace, shape, hw, slots, "drop", 0.4, measured)
+    t = tables.threshold_table(trace, shape, hw, slots, "drop", 0.4, measured)
     assert t["measured agreement"].iloc[1] == 0.7  # the nearest measured threshold is 0.5
     with pytest.raises(ValueError, match="lossy rule"):
-        widgets.threshold_table(trace, shape, hw, slots, "skip", 0.1)
+        tables.threshold_table(trace, shape, hw, slots, "skip", 0.1)
     box = widgets.threshold_explorer(trace, shape, hw, slots, measured)
     assert box.rendered["kind"] == "drop"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fate_lab.model.adapters import SUPPORTED_FAMILIES, adapt
-from fate_lab.model.testing import tiny_model
+from fate_lab.model.testing import tiny_model  # noqa: F401  (fixtures replace it where a test needs a fresh model)
 from fate_lab.model.trace import from_routing_array
 from fate_lab.model.record import record_trace
 from fate_lab.paths import TINY_MOE_DIR
@@ -163,7 +163,7 @@ def test_save_load_round_trip(copied, tmp_path):
 
 
 def test_errors_say_what_to_do(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"python -m fate_lab\.policy\.similarity --model"):
+    with pytest.raises(FileNotFoundError, match=r"python -m fate_lab fit-similarity --model"):
         load_similarity(tmp_path)
     from safetensors.torch import save_file
 

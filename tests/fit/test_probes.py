@@ -209,7 +209,7 @@ def test_errors_name_the_problem(tmp_path, trace, linear):
                          prompt_id=trace.prompt_id, position=trace.position, meta=trace.meta))
     with pytest.raises(ValueError, match="match must be"):
         tune_thresholds(linear, trace, match="token")
-    with pytest.raises(FileNotFoundError, match="--fit"):
+    with pytest.raises(FileNotFoundError, match="fate_lab fit-probes --model"):
         load_probes(tmp_path)
     from safetensors.torch import save_file
 
