@@ -46,7 +46,7 @@ from fate_lab.model.routers import (
     select_experts,
 )
 
-__all__ = ["SUPPORTED_FAMILIES", "MoEAdapter", "RouterSpec", "adapt", "select_experts"]
+__all__ = ["SUPPORTED_FAMILIES", "MoEAdapter", "RouterSpec", "adapt", "experts_modules", "select_experts"]
 
 # The families with hand-picked tiny presets that every runtime test runs on; `adapt` serves any model
 # whose modeling uses the experts interface (`testing.experts_interface_families()` lists them).
@@ -59,6 +59,7 @@ SUPPORTED_FAMILIES: tuple[str, ...] = (
     "deepseek_v3",
 )
 _SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")  # the block's always-on experts
+_TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "top_k_experts", "moe_topk", "moe_k")
 
 
 def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -72,17 +73,21 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return min(right, key=lambda nl: (nl[0].count("."), nl[0]))
 
 
+def experts_modules(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
+    """(decoder layer index, module path, module) of every experts module in the text decoder layers, in order."""
+    name, _ = _decoder_layers(model)
+    return [(int(path[len(name) + 1:].split(".", 1)[0]), path, mod) for path, mod in model.named_modules()
+            if is_experts_module(mod) and path.startswith(name + ".")]
+
+
 class MoEAdapter:
     """Uniform access to one HF MoE *ForCausalLM; `m` is always the MoE-layer index."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.family: str = model.config.model_type
-        name, self._layers = _decoder_layers(model)
-        found = []  # (decoder index, experts module)
-        for mod_name, mod in model.named_modules():
-            if is_experts_module(mod) and mod_name.startswith(name + "."):
-                found.append((int(mod_name[len(name) + 1:].split(".", 1)[0]), mod))
+        _, self._layers = _decoder_layers(model)
+        found = [(i, mod) for i, _, mod in experts_modules(model)]  # (decoder index, experts module)
         if not found:
             raise ValueError(
                 f"{type(model).__name__} ({self.family}) has no MoE layer: no module of its decoder layers uses "
@@ -104,9 +109,17 @@ class MoEAdapter:
         self.num_experts: int = self.layouts[0].num_experts
         self.hidden_size: int = hidden
         self.expert_intermediate_size: int = self.layouts[0].intermediate_size
-        top_k = getattr(self._sites[0].router, "top_k", None)
-        self.top_k: int = int(top_k) if isinstance(top_k, int) else self.router_spec.top_k
+        self.top_k: int = self._top_k()
         self.has_shared_experts: bool = self._shared(0) is not None
+
+    def _top_k(self) -> int:
+        """k: the router's `top_k`, else the config's, else what the router returns on a probe."""
+        top_k = getattr(self._sites[0].router, "top_k", None)
+        if isinstance(top_k, int):
+            return top_k
+        config = self.model.config.get_text_config()
+        named = next((getattr(config, n) for n in _TOP_K_NAMES if isinstance(getattr(config, n, None), int)), None)
+        return named if named is not None else self.router_spec.top_k
 
     # --- where things are -------------------------------------------------------------
     def block(self, m: int) -> nn.Module:
