@@ -223,6 +223,18 @@ class ExpertIndex:
         return {prefix + k + suffix: v for k, v in out.items()}
 
 
+def fp32_names(model: nn.Module, dtype: torch.dtype) -> set[str]:
+    """Names of the tensors from_pretrained keeps in float32 when loading model in dtype (the class's
+    `_keep_in_fp32_modules[_strict]`, e.g. DeepSeek-V3's `gate.weight` and `e_score_correction_bias`)."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan = model._get_dtype_plan(dtype)
+    if not plan:
+        return set()
+    alternation, _, _ = build_glob_alternation(list(plan))
+    return {n for n, _ in [*model.named_parameters(), *model.named_buffers()] if alternation.search(n)}
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """What `load_without_experts` left out or had to initialise."""
@@ -254,11 +266,12 @@ def load_without_experts(folder: str | Path, dtype: torch.dtype | None = None,
     if index.refusal() is not None:
         raise NotImplementedError(index.refusal())
     meta_sd = model.state_dict()
+    keep_fp32 = fp32_names(model, dtype or model.dtype)
     state = {}
     for target in index.dense:
         for key, tensor in index.dense_tensors(target).items():
             if key in meta_sd:
-                state[key] = tensor.to(device=device, dtype=meta_sd[key].dtype)
+                state[key] = tensor.to(device=device, dtype=torch.float32 if key in keep_fp32 else meta_sd[key].dtype)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     expert_ids = {id(p) for mod in model.modules() if is_experts_module(mod)

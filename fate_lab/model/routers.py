@@ -180,10 +180,13 @@ def call_router(site: RouterSite, gate_input: torch.Tensor, stateless: bool = Fa
     x = gate_input.reshape(-1, site.hidden_size)  # (T, H)
     args = [getattr(site.block, n) for n in site.bound]
     kwargs = {n: inputs[n] for n in site.missing if n in inputs}
-    try:
-        out = site.router(x, *args, **kwargs)
-    except (TypeError, ValueError, RuntimeError, IndexError):
-        out = site.router(x[None], *args, **kwargs)  # routers that unpack (B, S, H), e.g. AFMoE's
+    if gate_input.dim() > 2:  # (B, S, H) as the block passed it: keep its shape (state inputs match it)
+        out = site.router(gate_input, *args, **kwargs)
+    else:
+        try:
+            out = site.router(x, *args, **kwargs)
+        except (TypeError, ValueError, RuntimeError, IndexError):
+            out = site.router(x[None], *args, **kwargs)  # routers that unpack (B, S, H), e.g. AFMoE's
     if not isinstance(out, (tuple, list)) or len(out) < 3:
         raise TypeError(f"{type(site.router).__name__} returned {type(out).__name__}; fate_lab expects the "
                         "transformers 5 router convention (scores, top-k weights, top-k indices, ...)")
@@ -227,7 +230,7 @@ def fit_router(site: RouterSite, tokens: int = 256, seed: int = 0) -> RouterFit:
     live = (w != 0) & (idx < E)  # (T, k) ZAYA marks skipped slots with weight 0
     cands = {"softmax": l.softmax(-1), "sigmoid": l.sigmoid(), "none": l}
     if callable(getattr(site.router, "score_fn", None)):  # the module names its own scoring function
-        cands = {"score_fn": site.router.score_fn(l.float()).double(), **cands}
+        cands["score_fn"] = site.router.score_fn(l.float()).double()  # tried after the usual three
     scoring, norm, scale = None, False, 1.0
     for name, p in cands.items():
         g = p.gather(1, idx.clamp(max=p.shape[1] - 1))  # (T, k)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from fate_lab.model.checkpoint import fp32_names
+
 _COMMON = dict(
     vocab_size=128,
     hidden_size=64,
@@ -181,7 +183,9 @@ def tiny_model(
     HF initialises routers with std 0.02 (or zeros), which makes every token's scores nearly equal;
     router_std 0.25 gives logits of std ~2 on a hidden-64 model, so routing is decisive but the
     second expert's weight is not negligible. Correction biases (DeepSeek-V3's
-    `e_score_correction_bias` and its kin) are made random too, so that tests see them change choices.
+    `e_score_correction_bias` and its kin) and expert biases (gpt-oss) are made random too, so that tests
+    see them change choices and outputs. In bf16/fp16 the tensors from_pretrained keeps in float32
+    (`_keep_in_fp32_modules_strict`, e.g. DeepSeek's router) stay float32, as a loaded model has them.
     """
     config = tiny_config(family, **overrides)
     with torch.random.fork_rng(devices=[]):
@@ -193,7 +197,17 @@ def tiny_model(
                     p.normal_(0.0, router_std)
                 for b in router.biases:
                     b.normal_(0.0, 0.1)
-    return model.to(dtype).eval()
+            for mod in model.modules():  # biases travel with their expert: make them matter (gpt-oss)
+                if getattr(mod, "has_bias", False) and hasattr(mod, "down_proj_bias"):
+                    for name, p in mod.named_parameters(recurse=False):
+                        if name.endswith("_bias"):
+                            p.normal_(0.0, 0.1)
+    keep = fp32_names(model, dtype)  # what from_pretrained keeps in float32 at this dtype (routers, biases)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name not in keep and t.is_floating_point():
+                t.data = t.data.to(dtype)
+    return model.eval()
 
 
 # --- which families exist and which build here -------------------------------------------------------
