@@ -22,10 +22,14 @@ from fate_lab.model import experts as ex
 from fate_lab.model.adapters import adapt
 from fate_lab.model.checkpoint import ExpertIndex, load_without_experts
 from fate_lab.model.experts import combine_experts, expert_apply, expert_refusal, read_expert
+from fate_lab.model.families import experts_interface_families, experts_interface_modules, text_tower_types
 from fate_lab.model.routers import MissingRouterInput, select_experts
-from fate_lab.model.testing import experts_interface_families, experts_interface_modules, family_status, tiny_model
+from fate_lab.model.testing import family_status, tiny_model
 
-FAMILIES = experts_interface_families()
+FAMILIES = experts_interface_families()  # causal LMs: every one builds and generates here
+# Text towers of modules without a causal-LM class that build here (forward only); the family-table test
+# checks that these, and only these, of `text_tower_types()` build.
+TOWERS = ("mistral4", "muse_spark_text", "openai_privacy_filter", "qwen3_vl_moe_text")
 
 # Routers `select_experts` (the pure model of a router) does not reproduce, each with the reason; the
 # adapter still routes them exactly, by calling the module itself.
@@ -67,7 +71,7 @@ def _state_inputs(adapter, m, args, kwargs) -> dict:
             if n in kwargs or names.index(n) < len(args)}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + TOWERS)
 def built(request):
     """(family, model, adapter, records) of one family's tiny fp32 model, built once per module."""
     family = request.param
@@ -196,7 +200,7 @@ def test_weighted_sum_matches_the_default_kernel(built):
     model.set_experts_implementation("eager")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + TOWERS)
 def test_expert_math_equals_the_eager_experts_call_bf16(family):
     model = tiny_model(family, seed=3, dtype=torch.bfloat16)
     adapter = adapt(model)
@@ -389,12 +393,17 @@ def test_non_moe_model_refused_naming_the_interface():
 # --- the family table ----------------------------------------------------------------------------
 def test_every_experts_interface_module_is_classified():
     """Each module of the installed transformers using the experts interface: a causal-LM family that builds
-    here, or no causal-LM class (vision/audio/encoder-only), said by name."""
+    and generates here, a text tower that builds (forward only), or neither, said by name."""
     modules = experts_interface_modules()
     assert len(modules) >= 60
-    causal = {f: m for m, types in modules.items() for f in types if f in FAMILIES}
-    assert set(causal) == set(FAMILIES)
+    assert {f for types in modules.values() for f in types if f in FAMILIES} == set(FAMILIES)
+    towers = text_tower_types()
     for module, types in modules.items():
-        if not any(t in FAMILIES for t in types):
-            status = family_status(module, types)
-            assert not status.builds and "no causal-LM class" in status.reason and module in status.module
+        status = family_status(module, types)
+        if status.family in FAMILIES:
+            assert status.builds and status.generates, status
+        elif status.family in TOWERS:
+            assert status.builds and not status.generates and "text tower" in status.reason, status
+        else:
+            assert not status.builds and status.reason, status
+            assert status.family == towers.get(module)

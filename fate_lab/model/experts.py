@@ -89,8 +89,12 @@ class ExpertWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ExpertWeights:
-        """A copy on device and/or in dtype (contiguous)."""
-        return replace(self, **{k: v.to(device=device, dtype=dtype).contiguous() for k, v in self.tensors().items()})
+        """On device and/or in dtype, each tensor keeping its memory layout (so the math stays bit-exact)."""
+        return replace(self, **{k: v.to(device=device, dtype=dtype) for k, v in self.tensors().items()})
+
+    def contiguous(self) -> ExpertWeights:
+        """Standalone contiguous copies (for a slot or a store; transposed views become row-major)."""
+        return replace(self, **{k: v.detach().clone().contiguous() for k, v in self.tensors().items()})
 
     def equal(self, other: ExpertWeights) -> bool:
         """True when both hold the same tensors bit for bit."""

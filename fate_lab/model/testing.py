@@ -5,8 +5,8 @@ What this file is: `tiny_config(family)` / `tiny_model(family, seed)` build a fe
 hand-picked sizes (expert counts and top-k differ between them, so that no test passes by a shared
 accident); every other family is shrunk generically from its config class's defaults (`_shrink`),
 with a named override only where the defaults cannot build a tiny model (`_OVERRIDES`).
-`experts_interface_families()` lists the model types whose modeling uses transformers' experts
-interface; `family_table()` builds and generates with each and says which work here, and why not.
+`family_table()` builds and generates with a tiny model of every module `families.py` lists (a text
+tower, forward only, where the module has no causal-LM class) and says which work here, and why not.
 
 What it is not: these models are untrained; their text is noise. The trained default model lives
 in `data/` and is loaded elsewhere. Nothing here downloads anything.
@@ -15,13 +15,13 @@ in `data/` and is loaded elsewhere. Nothing here downloads anything.
 from __future__ import annotations
 
 import functools
-import pathlib
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from fate_lab.model.checkpoint import fp32_names
+from fate_lab.model.families import experts_interface_families, experts_interface_modules, text_tower_types
 
 _COMMON = dict(
     vocab_size=128,
@@ -76,6 +76,7 @@ _TINY: dict[str, dict] = {
 }
 
 # --- the generic shrink --------------------------------------------------------------------------
+MAX_TINY_PARAMS = 20_000_000  # a shrunk model above this was not shrunk: refuse to build it
 LAYERS = 3  # decoder layers of a shrunk model: room for a dense first layer and two MoE layers
 _SIZES = dict(  # config field -> tiny value, set wherever the config class has the field
     vocab_size=128, hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=96,
@@ -158,9 +159,10 @@ def tiny_config(family: str, **overrides) -> PretrainedConfig:
 
     if family in _TINY:
         return CONFIG_MAPPING[family](**{**_COMMON, **_TINY[family], **overrides})
-    if family not in experts_interface_families():
-        raise ValueError(f"no tiny config for {family!r}: it is not a causal-LM model type whose modeling uses "
-                         f"transformers' experts interface; known: {sorted(experts_interface_families())}")
+    known = set(experts_interface_families()) | set(text_tower_types().values())
+    if family not in known:
+        raise ValueError(f"no tiny config for {family!r}: it is not a causal-LM or text-tower model type whose "
+                         f"modeling uses transformers' experts interface; known: {sorted(known)}")
     return CONFIG_MAPPING[family](**{**_shrink(family), **overrides})
 
 
@@ -178,7 +180,8 @@ def _router_params(model: torch.nn.Module):
 def tiny_model(
     family: str, seed: int = 0, dtype: torch.dtype = torch.float32, router_std: float = 0.25, **overrides
 ) -> PreTrainedModel:
-    """An eval-mode random *ForCausalLM, deterministic for seed; routers get std router_std.
+    """An eval-mode random *ForCausalLM (a base text model for a text tower), deterministic for seed; routers
+    get std router_std.
 
     HF initialises routers with std 0.02 (or zeros), which makes every token's scores nearly equal;
     router_std 0.25 gives logits of std ~2 on a hidden-64 model, so routing is decisive but the
@@ -190,7 +193,8 @@ def tiny_model(
     config = tiny_config(family, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        auto = AutoModelForCausalLM if family in experts_interface_families() or family in _TINY else AutoModel
+        model = auto.from_config(config)
         with torch.no_grad():
             for router in _router_params(model):
                 for p in router.weights:
@@ -210,61 +214,44 @@ def tiny_model(
     return model.eval()
 
 
-# --- which families exist and which build here -------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def experts_interface_modules() -> dict[str, tuple[str, ...]]:
-    """{transformers modeling module: its model types} for every module using the experts interface."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
-
-    root = pathlib.Path(transformers.__file__).parent / "models"
-    out: dict[str, list[str]] = {}
-    for model_type in CONFIG_MAPPING_NAMES:
-        module = model_type_to_module_name(model_type)
-        if any("@use_experts_implementation" in f.read_text() for f in (root / module).glob("modeling_*.py")):
-            out.setdefault(module, []).append(model_type)
-    return {m: tuple(types) for m, types in sorted(out.items())}
-
-
-@functools.lru_cache(maxsize=1)
-def experts_interface_families() -> tuple[str, ...]:
-    """The causal-LM model type of each experts-interface module (its `*_text` type where it has one)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    out = []
-    for module, types in experts_interface_modules().items():
-        causal = [t for t in types if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
-        text = [t for t in causal if t.endswith("_text")]
-        if text or causal:
-            out.append((text or causal)[0])
-    return tuple(out)
-
-
+# --- which families build here ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class FamilyStatus:
-    """One experts-interface modeling module: its causal-LM type and whether a tiny model works here."""
+    """One experts-interface modeling module: the model type built and whether a tiny model works here."""
 
     module: str  # transformers.models.<module>
-    family: str | None  # the causal-LM model type built, None when the module has none
-    builds: bool  # tiny_model(family) builds and greedy-generates 3 tokens
+    family: str | None  # the model type built (causal LM, else the base text tower), None when neither exists
+    builds: bool  # tiny_model(family) builds and runs (a causal LM greedy-generates 3 tokens)
+    generates: bool  # a causal LM (a text tower only runs forward)
     reason: str  # why not, or "" when it builds
 
 
 def family_status(module: str, types: tuple[str, ...]) -> FamilyStatus:
-    """Build a tiny model of one module's causal-LM type and generate 3 tokens; say why not if it fails."""
-    families = [t for t in types if t in experts_interface_families()]
-    if not families:
-        return FamilyStatus(module, None, False, f"no causal-LM class among its model types {list(types)} "
-                                                 "(vision/audio/encoder-only or conditional generation only)")
-    family = families[0]
+    """Build a tiny model of one module and generate 3 tokens (a text tower: one forward); say why not."""
+    causal = [t for t in types if t in experts_interface_families()]
+    family = causal[0] if causal else text_tower_types().get(module)
+    if family is None:
+        return FamilyStatus(module, None, False, False, f"neither a causal-LM class nor a base text model among "
+                                                        f"its model types {list(types)}")
     try:
+        with torch.device("meta"):
+            size = sum(p.numel() for p in (AutoModelForCausalLM if causal else AutoModel).from_config(
+                tiny_config(family)).parameters())
+        if size > MAX_TINY_PARAMS:
+            return FamilyStatus(module, family, False, bool(causal), f"the shrunk config still holds {size:,} "
+                                f"parameters (> {MAX_TINY_PARAMS:,}): fields the generic shrink does not know")
         model = tiny_model(family)
         ids = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+            if causal:
+                model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+            else:
+                model(input_ids=ids)
     except Exception as err:  # noqa: BLE001 - the table reports every failure by name
-        return FamilyStatus(module, family, False, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-    return FamilyStatus(module, family, True, "")
+        return FamilyStatus(module, family, False, bool(causal), f"{type(err).__name__}: "
+                                                                 f"{str(err).strip().splitlines()[-1][:200]}")
+    return FamilyStatus(module, family, True, bool(causal), "" if causal else
+                        "text tower only: no causal-LM class, so forward works but generate does not")
 
 
 def family_table() -> list[FamilyStatus]:
@@ -280,4 +267,4 @@ def supported_families() -> tuple[str, ...]:
 @functools.lru_cache(maxsize=1)
 def _supported() -> tuple[str, ...]:
     """Cached `supported_families`."""
-    return tuple(s.family for s in family_table() if s.builds)
+    return tuple(s.family for s in family_table() if s.builds and s.generates)
