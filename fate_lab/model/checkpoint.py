@@ -165,6 +165,21 @@ class ExpertIndex:
                                 "on each expert alone: use a checkpoint saved in a float dtype")
         return cls(model, folder, experts, dense, refusals)
 
+    def describe(self, m: int) -> dict[str, str]:
+        """{model tensor: where it lives on disk} for MoE layer m, keys shown with {i}/{e} for the numbers."""
+        def pattern(key: str) -> str:
+            return re.sub(r"experts\.\d+\.", "experts.{e}.", re.sub(r"layers\.\d+\.", "layers.{i}.", key))
+
+        out = {}
+        for (mm, name), src in self._experts.items():
+            if mm != m:
+                continue
+            keys = [k for _, k in src.whole.values()] + [k for _, k in next(iter(src.per_expert.values()), {}).values()]
+            how = "fused, read by slice" if src.whole else "per-expert keys"
+            ops = f" + {[type(o).__name__ for o in src.converter.operations]}" if src.converter is not None else ""
+            out[name] = f"{how}: {', '.join(pattern(k) for k in keys)}{ops}"
+        return out
+
     def refusal(self) -> str | None:
         """Why this checkpoint's experts cannot be read one at a time (what to do), or None."""
         if self.refusals:

@@ -125,7 +125,8 @@ def layout_of(mod: nn.Module) -> ExpertLayout:
         experts_class=name, num_experts=int(num), hidden_size=int(hidden), intermediate_size=int(inter),
         has_gate=bool(mod.has_gate), has_bias=bool(mod.has_bias), is_transposed=bool(mod.is_transposed),
         is_concatenated=bool(mod.is_concatenated), has_post_expert_norm=bool(mod.has_post_expert_norm),
-        custom_gate="_apply_gate" in type(mod).__dict__, dtype=up.dtype, accumulate=accumulate,
+        custom_gate=getattr(type(mod)._apply_gate, "__name__", "") != "_default_apply_gate", dtype=up.dtype,
+        accumulate=accumulate,
         compute_fp32=name in COMPUTE_FP32,
     )
 
