@@ -77,7 +77,7 @@ def _row(status, types) -> dict:
         a.router_site(0), a.layouts[0]
     config = model.config.get_text_config()
     kinds = sorted({str(t) for t in (getattr(config, "layer_types", None) or [])})
-    shared = a._shared(0)
+    shared = a.shared_module(0)
     row.update({
         "block": f"{_path(model, a.block(0))} ({type(a.block(0)).__name__})",
         "router": f"{type(a.router(0)).__name__} -> (scores [T, {spec.num_experts}], weights, indices); {spec.scoring}, choice on {fit.choice}{' + bias' if spec.has_correction_bias else ''}, "
@@ -93,7 +93,7 @@ def _row(status, types) -> dict:
                    f"{', compute fp32' if layout.compute_fp32 else ''}",
         "E/k": f"{a.num_experts}/{a.top_k}",
         "shared": "-" if shared is None else type(shared).__name__ + (" + sigmoid gate" if hasattr(a.block(0), "shared_expert_gate") else ""),
-        "dense": str([i for i in range(len(a._layers)) if i not in a.moe_layers]),
+        "dense": str([i for i in range(a.num_layers) if i not in a.moe_layers]),
         "layer_types": ", ".join(kinds) or "-",
     })
     with tempfile.TemporaryDirectory() as tmp:

@@ -104,6 +104,26 @@ def test_discovery_matches_what_the_forward_runs(built):
     assert adapter.dense_bytes() + adapter.expert_bytes_total() == sum(unique.values())
 
 
+# KV-cache bytes per token: a formula from the config; these families' caches hold something else.
+KV_ESTIMATE_ONLY = {
+    "deepseek_v4": "compressed / indexed attention caches",
+    "inkling_text": "hybrid sliding layers with short-convolution state", "inkling2_text": "same",
+    "inkling2_loop_text": "same", "mimo_v2_flash": "separate value head size and per-type heads",
+    "zaya": "'hybrid' layer types",
+}
+
+
+def test_kv_bytes_per_token_matches_the_cache(built):
+    family, model, adapter, _ = built
+    if family in TOWERS:
+        pytest.skip("text towers are not offloaded for generation")
+    with torch.no_grad():
+        out = model(input_ids=torch.arange(3, 8)[None], use_cache=True)
+    stored = sum(t.numel() * t.element_size() for layer in out.cache.layers
+                 for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+    assert (adapter.kv_bytes_per_token() * 5 == stored) == (family not in KV_ESTIMATE_ONLY), (family, stored)
+
+
 # --- (b) routing ---------------------------------------------------------------------------------
 def test_routing_is_the_routers_own_bit_for_bit(built):
     family, _, adapter, records = built
@@ -253,6 +273,24 @@ def test_named_expert_facts_match_the_eager_source():
             assert ("top_k_weights.dtype" in first) == (name in ex.ACCUMULATE_WEIGHT_DTYPE), name
             assert (".float() @" in src) == (name in ex.COMPUTE_FP32), name
     assert transformers.__version__.startswith("5.")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text", "zaya"])
+def test_trace_records_any_router(family):
+    """record_trace hooks the adapter's router (named `router` in gpt-oss, in the decoder layer in Gemma 4,
+    an MLP in ZAYA); its routing equals what the experts calls received."""
+    from fate_lab.model.trace import cross_layer_scores, record_trace
+
+    model = tiny_model(family, seed=2)
+    adapter = adapt(model)
+    trace = record_trace(model, None, [[5, 6, 7, 8]], decode_tokens=2, progress=False)
+    assert trace.experts.shape == (6, adapter.num_moe_layers, adapter.top_k)
+    assert trace.gate_inputs.shape == (6, adapter.num_moe_layers, adapter.hidden_size)
+    _, _, idx = adapter.route(0, trace.gate_inputs[:4, 0], **{n: None for n in adapter.router_site(0).optional})
+    assert torch.equal(idx, trace.experts[:4, 0])
+    if not adapter.router_spec.linear:
+        with pytest.raises(ValueError, match="probs"):
+            cross_layer_scores(trace)
 
 
 # --- (d) checkpoints ------------------------------------------------------------------------------

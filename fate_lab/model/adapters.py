@@ -87,6 +87,7 @@ class MoEAdapter:
         self.model = model
         self.family: str = model.config.model_type
         _, self._layers = _decoder_layers(model)
+        self.num_layers: int = len(self._layers)
         found = [(i, mod) for i, _, mod in experts_modules(model)]  # (decoder index, experts module)
         if not found:
             raise ValueError(
@@ -110,7 +111,7 @@ class MoEAdapter:
         self.hidden_size: int = hidden
         self.expert_intermediate_size: int = self.layouts[0].intermediate_size
         self.top_k: int = self._top_k()
-        self.has_shared_experts: bool = self._shared(0) is not None
+        self.has_shared_experts: bool = self.shared_module(0) is not None
 
     def _top_k(self) -> int:
         """k: the router's `top_k`, else the config's, else what the router returns on a probe."""
@@ -204,16 +205,9 @@ class MoEAdapter:
 
     def _weights_dtype(self, m: int) -> torch.dtype:
         """The dtype layer m's router returns its top-k weights in."""
-        x = torch.zeros(1, self.hidden_size, dtype=self.router_weight_dtype(m), device=self._device(m))
+        param = next(iter(self.router(m).parameters()))
+        x = torch.zeros(1, self.hidden_size, dtype=param.dtype, device=param.device)  # (1, H)
         return self.route(m, x)[1].dtype
-
-    def router_weight_dtype(self, m: int) -> torch.dtype:
-        """dtype of layer m's router parameters."""
-        return next(iter(self.router(m).parameters())).dtype
-
-    def _device(self, m: int) -> torch.device:
-        """Device of layer m's router."""
-        return next(iter(self.router(m).parameters())).device
 
     def host_router(self, m: int) -> HostRouter:
         """An exact CPU copy of layer m's router (module class, weights and bound block tensors)."""
@@ -247,15 +241,15 @@ class MoEAdapter:
         """Unweighted output [T, H] of expert e of MoE layer m on x [T, H], as the eager forward computes it."""
         return expert_apply(self._experts[m], x, self.expert(m, e))
 
-    def _shared(self, m: int) -> nn.Module | None:
-        """The block's shared-experts module, or None."""
+    def shared_module(self, m: int) -> nn.Module | None:
+        """The shared-experts module of MoE layer m's block (`shared_expert(s)`, `shared_mlp`), or None."""
         return next((getattr(self.block(m), n) for n in _SHARED_NAMES
                      if isinstance(getattr(self.block(m), n, None), nn.Module)), None)
 
     def shared_forward(self, m: int, x: torch.Tensor) -> torch.Tensor | None:
         """Shared-expert output [T, H] (with Qwen2-MoE's sigmoid `shared_expert_gate` when the block has one);
         None without shared experts. How the block combines it with the routed sum is the block's own."""
-        shared = self._shared(m)
+        shared = self.shared_module(m)
         if shared is None:
             return None
         gate = getattr(self.block(m), "shared_expert_gate", None)
@@ -285,7 +279,8 @@ class MoEAdapter:
 
         Sliding-window layers stop growing at the window; this is the per-token cost below it.
         MLA families (a `kv_lora_rank`): the latent + rope key per layer. Layers whose `layer_types`
-        entry is not an attention type (linear attention, state space, conv) hold fixed-size state.
+        entry is not an attention type (linear attention, state space, conv) hold fixed-size state. Exact for the
+        families `test_kv_bytes_per_token_matches_the_cache` checks; an estimate for the others.
         """
         config, item = self.model.config.get_text_config(), _itemsize(dtype or self.model.dtype)
         if getattr(config, "kv_lora_rank", None):  # HF caches the compressed latent and the rope key
@@ -293,7 +288,7 @@ class MoEAdapter:
         else:
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-            per_layer = 2 * kv_heads * head_dim
+            per_layer = 2 * kv_heads * head_dim  # keys + values
         types = getattr(config, "layer_types", None)
         attention = len(self._layers) if not types else sum(
             1 for t in types if "attention" in str(t) and "linear" not in str(t))
@@ -304,7 +299,7 @@ class MoEAdapter:
         layout = self.layouts[0]
         return {
             "family": self.family,
-            "num_layers": len(self._layers),
+            "num_layers": self.num_layers,
             "moe_layers": list(self.moe_layers),
             "num_experts": self.num_experts,
             "top_k": self.top_k,
