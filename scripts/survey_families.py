@@ -130,15 +130,15 @@ def main() -> None:
     n_types = sum(len(t) for t in modules.values())
     causal = [r for r in rows if r["status"] == "builds + generates"]
     towers = [r for r in rows if r["status"].startswith("builds (text")]
+    n_causal = sum(1 for r in rows if r["family"] != "-" and r["family"] not in text_tower_types().values())
+    read = sum(1 for r in rows if r.get("read") == "one expert at a time")
+    lean = sum(1 for r in rows if r.get("lean_load") == "yes")
     lines = [f"# Experts-interface MoE families in transformers {transformers.__version__}", "",
              f"- modeling modules with `@use_experts_implementation` classes: **{len(modules)}** ({n_types} model types)",
-             f"- with a causal-LM class: **{sum(1 for r in rows if r['family'] != '-' and r['family'] not in text_tower_types().values())}**;"
-             f" tiny model builds and generates here: **{len(causal)}**",
-             f"- without one: {len(rows) - len(causal)}; of those, base text towers that build (forward only): "
-             f"**{len(towers)}** ({', '.join(r['family'] for r in towers)})",
-             f"- one expert at a time from a save_pretrained checkpoint: "
-             f"{sum(1 for r in rows if r.get('read') == 'one expert at a time')}; lean load (experts on meta): "
-             f"{sum(1 for r in rows if r.get('lean_load') == 'yes')}", ""]
+             f"- with a causal-LM class: **{n_causal}**; tiny model builds and generates here: **{len(causal)}**",
+             (f"- without one: {len(rows) - len(causal)}; of those, base text towers that build (forward only): "
+              f"**{len(towers)}** ({', '.join(r['family'] for r in towers)})"),
+             f"- one expert at a time from a save_pretrained checkpoint: {read}; lean load (experts on meta): {lean}", ""]
     lines += ["| module | family | status | E/k | router | experts | on disk |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         short = r["status"] if len(r["status"]) < 60 else r["status"][:57] + "..."

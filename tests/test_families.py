@@ -138,8 +138,8 @@ def test_routing_is_the_routers_own_bit_for_bit(built):
 def test_routing_reaches_the_experts_call_unchanged(built):
     """The block hands the router's weights and indices to the experts as they are: what the adapter's
     routing returns is what an offloaded experts call receives."""
-    _, _, adapter, records = built
-    for m, rec in enumerate(records):
+    records = built[3]
+    for rec in records:
         _, _, (_, weights, indices) = rec["router"]
         (_, idx, w), _ = rec["experts"]
         assert torch.equal(idx.reshape(indices.shape), indices) and torch.equal(w.reshape(weights.shape), weights)
@@ -184,7 +184,7 @@ def test_select_experts_models_the_router_where_it_claims_to(built):
     fit = adapter.fit(m)
     assert fit.spec.exact == (family not in NOT_SELECT_EXPERTS), f"{family}: {fit.spec}"
     if fit.spec.exact:
-        args, kwargs, (hf_scores, hf_weights, hf_indices) = records[m]["router"]
+        _, _, (hf_scores, hf_weights, hf_indices) = records[m]["router"]
         w, i = select_experts(fit.spec, hf_scores.reshape(-1, hf_scores.shape[-1]), fit.correction_bias)
         assert torch.equal(i, hf_indices.reshape(i.shape))
         torch.testing.assert_close(w, hf_weights.reshape(w.shape).float(), rtol=1e-5, atol=1e-6)
@@ -404,7 +404,7 @@ def test_quantized_checkpoint_is_refused_by_name(tmp_path):
     from safetensors import safe_open
 
     with safe_open(f"{tmp_path}/model.safetensors", "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     tensors["model.layers.0.mlp.experts.gate_up_proj_scale_inv"] = torch.ones(8, 1)
     save_file(tensors, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
     index = ExpertIndex.build(model, tmp_path)

@@ -19,8 +19,8 @@ Letters: T tokens, E routed experts, k experts per token, H hidden size, I exper
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Callable
 
 import torch
 from torch import nn

@@ -17,8 +17,8 @@ order, so the module's `_apply_gate` works unchanged), R = I without a gate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -117,9 +117,9 @@ def layout_of(mod: nn.Module) -> ExpertLayout:
     if down.dim() == 3:
         num, hidden, inter = (down.shape[0], down.shape[2], down.shape[1]) if mod.is_transposed else down.shape
     else:  # emptied by an offloading runtime: the module's own attributes still say
-        num = int(getattr(mod, "num_experts"))
-        hidden = int(getattr(mod, "hidden_dim", None) or getattr(mod, "hidden_size"))
-        inter = int(getattr(mod, "intermediate_dim", None) or getattr(mod, "intermediate_size"))
+        num = int(mod.num_experts)
+        hidden = int(getattr(mod, "hidden_dim", None) or mod.hidden_size)
+        inter = int(getattr(mod, "intermediate_dim", None) or mod.intermediate_size)
     accumulate = "float32" if name in ACCUMULATE_FP32 else "weights" if name in ACCUMULATE_WEIGHT_DTYPE else "output"
     return ExpertLayout(
         experts_class=name, num_experts=int(num), hidden_size=int(hidden), intermediate_size=int(inter),

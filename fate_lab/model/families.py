@@ -60,5 +60,5 @@ def text_tower_types() -> dict[str, str]:
         text = [t for t in types if t in MODEL_MAPPING_NAMES and not any(w in t for w in ("vision", "audio", "encoder"))
                 and (t.endswith("_text") or not getattr(CONFIG_MAPPING[t], "sub_configs", None))]
         if text:
-            out[module] = sorted(text, key=lambda t: not t.endswith("_text"))[0]
+            out[module] = min(text, key=lambda t: not t.endswith("_text"))  # a `*_text` type first
     return out

@@ -98,7 +98,6 @@ _OVERRIDES: dict[str, dict] = {
                   expert_layer_offset=1),  # periods of 8 layers; 4 layers hold both kinds and two MoE layers
     "gemma4_text": dict(enable_moe_block=True, per_layer_config={}, num_kv_shared_layers=0,
                         hidden_size_per_layer_input=16),  # MoE is off by default
-    "zaya": dict(router_hidden_size=32),  # ZAYA supports top-1 routing only (kept from its default)
     # the default is all-Mamba, and generate needs one attention layer to measure the cache
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention"]),
     "dots3_note_text": dict(per_layer_config={}, head_dim=24),  # SWA head_dim = qk_nope + qk_rope
