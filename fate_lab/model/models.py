@@ -1,8 +1,8 @@
 """Loading MoE language models for fate_lab: the embedded tiny MoE or a local HF checkpoint.
 
 What it is: one call, ``load_model(name_or_path_or_None, device=..., dtype=...)``, that loads a model
-and its tokenizer from a local directory (never from a hub) and checks that fate_lab supports its
-MoE family. ``None`` is the default embedded model; ``"tiny_moe"`` and ``"tiny_deepseek"`` name the
+and its tokenizer from a local directory (never from a hub) and checks that its model type is a causal-LM
+MoE family whose transformers modeling uses the experts interface (`families.experts_interface_families`). ``None`` is the default embedded model; ``"tiny_moe"`` and ``"tiny_deepseek"`` name the
 embedded models (``fate_lab.paths.EMBEDDED_MODELS``); anything else is a folder. What it is not: a downloader; safetensors only (no pickled weights).
 
 A model folder holds ``config.json``, ``*.safetensors`` weights and tokenizer files
@@ -94,14 +94,15 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     default embedded model (``tiny_moe``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from fate_lab.model.adapters import SUPPORTED_FAMILIES
+    from fate_lab.model.families import experts_interface_families
 
     path = model_dir(path)
     _check_model_folder(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type not in SUPPORTED_FAMILIES:
-        raise ValueError(f"{path} is a {config.model_type!r} model; fate_lab supports the MoE families "
-                         f"{', '.join(SUPPORTED_FAMILIES)}")
+    families = experts_interface_families()
+    if config.model_type not in families:
+        raise ValueError(f"{path} is a {config.model_type!r} model; fate_lab loads causal-LM MoE families whose "
+                         f"transformers modeling uses the experts interface: {', '.join(families)}")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)  # before the weights: fails fast
     _check_tokenizer(tokenizer, path)
     kwargs = {"local_files_only": True, "use_safetensors": True}

@@ -22,8 +22,7 @@ class _Recorder:
         self.handles = []
         self.calls: dict[str, list] = {}
         for m in range(adapter.num_moe_layers):
-            block = adapter.block(m)
-            router = getattr(block, "gate")
+            router = adapter.router(m)  # `gate` in most families, `router` in others: the adapter knows
             self.handles.append(router.register_forward_hook(self._router_hook(m)))
             self.handles.append(adapter.experts_module(m).register_forward_pre_hook(self._experts_hook(m)))
         self.reset()
@@ -118,11 +117,14 @@ def record_trace(model, tokenizer, prompts: list, decode_tokens: int = 32, max_p
     finally:
         rec.close()
         bar.close()
-    router_weights = torch.stack([adapter.router_weight(m).detach().float().cpu() for m in range(adapter.num_moe_layers)])
+    sites = [adapter.router_site(m).weight() for m in range(adapter.num_moe_layers)]
+    # the [E, H] router weights, when every layer has one (an MLP router, e.g. ZAYA's, has none)
+    router_weights = None if any(w is None for w in sites) else torch.stack([w.detach().float().cpu() for w in sites])
     meta = {
         "source": "record_trace", "family": adapter.family, "model": str(getattr(model.config, "_name_or_path", "")),
         "num_experts": adapter.num_experts, "top_k": adapter.top_k, "moe_layers": list(adapter.moe_layers),
-        "scoring": adapter.router_spec.scoring, "prompts": [p if isinstance(p, str) else None for p in prompts],
+        "scoring": adapter.router_spec.scoring, "router_linear": adapter.router_spec.linear,
+        "prompts": [p if isinstance(p, str) else None for p in prompts],
         "generated": generated, "decode_tokens": decode_tokens,
     }
     return Trace(

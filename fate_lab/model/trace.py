@@ -346,6 +346,10 @@ def cross_layer_scores(trace: Trace) -> torch.Tensor:
     """Scores for layer l+1 predicted from layer l's gate input: [N, L-1, E] (Fate's prefetch signal)."""
     from fate_lab.policy.rules import cross_layer_scores as _scores
 
+    if trace.meta.get("router_linear") is False:
+        raise ValueError(f"the {trace.meta.get('family')!r} router is not its gate input times a weight matrix "
+                         "(e.g. it normalises its input or is an MLP): predict with "
+                         "adapters.MoEAdapter.probs(l + 1, gate input of layer l), which runs the model's own router")
     if trace.gate_inputs is None or trace.router_weights is None:
         raise ValueError("this trace has no gate inputs/router weights (e.g. it came from a routing array); "
                          "record one with record_trace to use cross-layer prediction")

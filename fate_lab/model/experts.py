@@ -1,0 +1,238 @@
+"""Expert math for every experts layout that transformers' experts interface declares.
+
+What this file is: `ExpertLayout` (what one experts module declares with `@use_experts_implementation`
+— `has_gate`, `has_bias`, `is_transposed`, `is_concatenated`, `has_post_expert_norm` — plus its
+sizes and the few facts its flags do not carry, each named below), `ExpertWeights` (one expert's
+canonical tensors), `read_expert` (one expert out of the fused module tensors), `expert_apply` (what
+transformers' eager experts forward computes for one expert, before the routing weight),
+`combine_experts` (the eager forward's weighted sum, for references and tests) and `expert_refusal`
+(why a module cannot be served, or None).
+
+What it is not: no routing (`routers.py`), no checkpoint reading (`checkpoint.py`), no movement.
+
+Letters: n tokens of one expert, T tokens, k experts per token, E experts, H hidden, I expert
+intermediate, R = 2I rows of the up projection with a gate (gate and up in the module's own row
+order, so the module's `_apply_gate` works unchanged), R = I without a gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+
+# Facts the declared flags do not carry, read off each eager forward of transformers 5.24 (the test
+# `test_named_expert_facts_match_the_eager_source` checks them against the installed source).
+ACCUMULATE_FP32: frozenset[str] = frozenset({  # the eager forward sums the weighted experts in float32
+    "Inkling2Experts", "Inkling2LoopExperts", "OpenAIPrivacyFilterExperts",
+})
+ACCUMULATE_WEIGHT_DTYPE: frozenset[str] = frozenset({"NemotronHExperts"})  # ... in the routing weights' dtype
+COMPUTE_FP32: frozenset[str] = frozenset({"OpenAIPrivacyFilterExperts"})  # each expert computes in float32
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one experts module stores and computes its experts (its declared flags and sizes)."""
+
+    experts_class: str
+    num_experts: int  # E
+    hidden_size: int  # H
+    intermediate_size: int  # I
+    has_gate: bool  # gate_up_proj [E, 2I, H] (gated) or up_proj [E, I, H] (plain activation)
+    has_bias: bool  # *_proj_bias tensors travel with their expert
+    is_transposed: bool  # stored [E, H, R] / [E, I, H]: the eager forward multiplies x @ W
+    is_concatenated: bool  # gate rows over up rows; False: interleaved (the module's _apply_gate splits)
+    has_post_expert_norm: bool  # module.post_expert_norm after the down projection
+    custom_gate: bool  # the class defines its own _apply_gate (e.g. gpt-oss's clamped SwiGLU)
+    dtype: torch.dtype
+    accumulate: str  # "output" (hidden dtype) | "float32" | "weights" (routing weights' dtype)
+    compute_fp32: bool
+
+    @property
+    def up_name(self) -> str:
+        """Name of the up (or gate-and-up) projection tensor."""
+        return "gate_up_proj" if self.has_gate else "up_proj"
+
+    @property
+    def rows(self) -> int:
+        """R: rows of one expert's canonical up projection."""
+        return 2 * self.intermediate_size if self.has_gate else self.intermediate_size
+
+    def bytes_per_expert(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one expert's weights and biases (default: the module's dtype)."""
+        elems = self.rows * self.hidden_size + self.hidden_size * self.intermediate_size
+        if self.has_bias:
+            elems += self.rows + self.hidden_size
+        return elems * torch.empty((), dtype=dtype or self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One expert's canonical weights: what `expert_apply` needs and a slot or the host stores."""
+
+    gate_up: torch.Tensor  # (R, H) the module's own row order
+    down: torch.Tensor  # (H, I)
+    gate_up_bias: torch.Tensor | None = None  # (R,)
+    down_bias: torch.Tensor | None = None  # (H,)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that exist, by field name."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    def nbytes(self) -> int:
+        """Bytes of all of this expert's tensors (biases included)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ExpertWeights:
+        """On device and/or in dtype, each tensor keeping its memory layout (so the math stays bit-exact)."""
+        return replace(self, **{k: v.to(device=device, dtype=dtype) for k, v in self.tensors().items()})
+
+    def contiguous(self) -> ExpertWeights:
+        """Standalone contiguous copies (for a slot or a store; transposed views become row-major)."""
+        return replace(self, **{k: v.detach().clone().contiguous() for k, v in self.tensors().items()})
+
+    def equal(self, other: ExpertWeights) -> bool:
+        """True when both hold the same tensors bit for bit."""
+        mine, theirs = self.tensors(), other.tensors()
+        return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def is_experts_module(mod: nn.Module) -> bool:
+    """True for a module built by a class decorated with `@use_experts_implementation`."""
+    return hasattr(mod, "has_gate") and hasattr(mod, "is_transposed") and hasattr(mod, "_is_expert_parallel")
+
+
+def layout_of(mod: nn.Module) -> ExpertLayout:
+    """The ExpertLayout of an experts module (sizes from its tensors, or its attributes once emptied)."""
+    if not is_experts_module(mod):
+        raise TypeError(f"{type(mod).__name__} is not an experts module: its class is not decorated with "
+                        "transformers' @use_experts_implementation")
+    name = type(mod).__name__
+    up, down = getattr(mod, "gate_up_proj" if mod.has_gate else "up_proj"), mod.down_proj
+    if down.dim() == 3:
+        num, hidden, inter = (down.shape[0], down.shape[2], down.shape[1]) if mod.is_transposed else down.shape
+    else:  # emptied by an offloading runtime: the module's own attributes still say
+        num = int(mod.num_experts)
+        hidden = int(getattr(mod, "hidden_dim", None) or mod.hidden_size)
+        inter = int(getattr(mod, "intermediate_dim", None) or mod.intermediate_size)
+    accumulate = "float32" if name in ACCUMULATE_FP32 else "weights" if name in ACCUMULATE_WEIGHT_DTYPE else "output"
+    return ExpertLayout(
+        experts_class=name, num_experts=int(num), hidden_size=int(hidden), intermediate_size=int(inter),
+        has_gate=bool(mod.has_gate), has_bias=bool(mod.has_bias), is_transposed=bool(mod.is_transposed),
+        is_concatenated=bool(mod.is_concatenated), has_post_expert_norm=bool(mod.has_post_expert_norm),
+        custom_gate=getattr(type(mod)._apply_gate, "__name__", "") != "_default_apply_gate", dtype=up.dtype,
+        accumulate=accumulate,
+        compute_fp32=name in COMPUTE_FP32,
+    )
+
+
+def read_expert(mod: nn.Module, e: int) -> ExpertWeights:
+    """Expert e's canonical weights: views into the module's tensors (transposed layouts as `.T` views)."""
+    layout = layout_of(mod)
+    if not 0 <= e < layout.num_experts:
+        raise IndexError(f"expert {e} out of range: {layout.experts_class} holds {layout.num_experts} experts")
+    up, down = getattr(mod, layout.up_name)[e], mod.down_proj[e]  # (R, H) | (H, R), (H, I) | (I, H)
+    if layout.is_transposed:
+        up, down = up.T, down.T  # (R, H), (H, I) views: F.linear(x, up) computes x @ W as the eager forward
+    up_bias = getattr(mod, f"{layout.up_name}_bias")[e] if layout.has_bias else None  # (R,)
+    down_bias = mod.down_proj_bias[e] if layout.has_bias else None  # (H,)
+    return ExpertWeights(up, down, up_bias, down_bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T, then + bias as a separate add (the eager forwards and batched_mm add it apart)."""
+    y = F.linear(x, weight)
+    return y if bias is None else y + bias
+
+
+def expert_apply(mod: nn.Module, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """Unweighted output [n, H] of one expert on x [n, H], as transformers' eager forward computes it.
+
+    up (+ bias) -> the module's `_apply_gate` (or `act_fn` without a gate) -> down (+ bias) -> the
+    module's `post_expert_norm` when declared. The routing weight is NOT applied: every eager
+    forward of transformers 5.24 multiplies it after all of this (`combine_experts` does).
+    """
+    layout = layout_of(mod)
+    if layout.compute_fp32:
+        x, w = x.float(), w.to(dtype=torch.float32)
+    h = _linear(x, w.gate_up, w.gate_up_bias)  # (n, R)
+    h = mod._apply_gate(h) if layout.has_gate else mod.act_fn(h)  # (n, I)
+    if layout.compute_fp32:
+        h = h.float()
+    y = _linear(h, w.down, w.down_bias)  # (n, H)
+    if layout.has_post_expert_norm:
+        y = mod.post_expert_norm(y)  # (n, H)
+    return y
+
+
+def combine_experts(
+    mod: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    weights_of: Callable[[int], ExpertWeights] | None = None,
+) -> torch.Tensor:
+    """The experts call [T, H] from hidden [T, H] and routing [T, k], summed as the eager forward sums.
+
+    weights_of(e) gives expert e's weights (default: `read_expert(mod, e)`); index entries outside
+    [0, E) are skipped, as the eager forwards skip them.
+    """
+    layout = layout_of(mod)
+    weights_of = weights_of or (lambda e: read_expert(mod, e))
+    acc = {"float32": torch.float32, "weights": top_k_weights.dtype}.get(layout.accumulate, hidden.dtype)
+    out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)  # (T, H)
+    for e in top_k_index.unique().tolist():
+        if not 0 <= e < layout.num_experts:
+            continue
+        tok, pos = torch.where(top_k_index == e)  # (n,), (n,)
+        y = expert_apply(mod, hidden[tok], weights_of(e))  # (n, H)
+        if layout.compute_fp32:
+            y = y * top_k_weights[tok, pos, None].float()  # (n, H)
+        else:
+            y = y * top_k_weights[tok, pos, None]  # (n, H)
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out.to(hidden.dtype)
+
+
+def expert_refusal(mod: nn.Module, family: str) -> str | None:
+    """Why fate_lab cannot serve this experts module (family, layout, what to do), or None if it can."""
+    if not is_experts_module(mod):
+        return (f"{family}: {type(mod).__name__} is not a transformers experts-interface module "
+                "(@use_experts_implementation); fate_lab serves only those")
+    name = type(mod).__name__
+    if getattr(mod, "_is_expert_parallel", False):
+        return f"{family}: {name} is expert-parallel (sharded over devices); load the model on one device"
+    layout_params = {n for n, _ in mod.named_parameters(recurse=False)} | {n for n, _ in mod.named_buffers(recurse=False)}
+    need = {"gate_up_proj" if mod.has_gate else "up_proj", "down_proj"}
+    if mod.has_bias:
+        need |= {f"{n}_bias" for n in need}
+    if need - layout_params:
+        return (f"{family}: {name} lacks {sorted(need - layout_params)} for its declared layout "
+                f"(has_gate={mod.has_gate}, has_bias={mod.has_bias}); tensors present: {sorted(layout_params)}. "
+                "The experts were replaced (e.g. by a quantization integration); load the checkpoint dequantized")
+    unknown = sorted(layout_params - set(_WEIGHT_NAMES))
+    if unknown:
+        return (f"{family}: {name} holds tensors fate_lab does not know how to move or compute with: {unknown} "
+                f"(known: {list(_WEIGHT_NAMES)}); they are probably quantization scales, and fate_lab has no "
+                "dequantizer for them: load the checkpoint in a float dtype")
+    bad = {n: str(getattr(mod, n).dtype) for n in need if not getattr(mod, n).dtype.is_floating_point}
+    if bad:
+        return (f"{family}: {name} stores experts as {bad}, a quantized format fate_lab cannot dequantize; "
+                "load the checkpoint dequantized to bfloat16/float16/float32")
+    children = {n for n, _ in mod.named_children()} - {"act_fn"}
+    if mod.has_post_expert_norm:
+        children -= {"post_expert_norm"}
+    if children:
+        return (f"{family}: {name} has submodules fate_lab does not compute: {sorted(children)}; only act_fn "
+                "and post_expert_norm are part of the expert math it implements")
+    return None
+
+
+def check_servable(mod: nn.Module, family: str) -> ExpertLayout:
+    """The layout of a module fate_lab can serve; NotImplementedError with `expert_refusal`'s reason if not."""
+    reason = expert_refusal(mod, family)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    return layout_of(mod)
