@@ -26,7 +26,7 @@ from fate_lab.core.config import OffloadConfig
 from fate_lab.hardware.links import LinkProfile
 from fate_lab.policy.rules import TopK
 from fate_lab.fit.calibrate import calibrate_compute
-from fate_lab.hardware.compute import COMPUTE_PROFILES
+from fate_lab.hardware.profiles import COMPUTE_PROFILES
 from fate_lab.hardware.setups import Hardware
 from fate_lab.core.shape import ModelShape
 from fate_lab.sim.simulate import simulate

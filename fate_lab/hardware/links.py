@@ -41,16 +41,26 @@ class LinkProfile:
         return text
 
 
-# Effective bandwidths: a pinned-memory host->device cudaMemcpyAsync reaches ~75-80% of the
-# PCIe payload rate (128b/130b coding, TLP overhead); bandwidthTest on an RTX 3090 in a PCIe 3.0
-# x16 slot reports ~12-13 GB/s. Spec rates: PCIe 1.0 x16 4 GB/s, 3.0 x16 15.75 GB/s, 4.0 x16 31.5 GB/s.
+# Effective bandwidths: a pinned-memory host->device cudaMemcpyAsync reaches ~75-85% of the
+# PCIe payload rate (128b/130b coding, TLP overhead): bandwidthTest on an RTX 3090 in a PCIe 3.0
+# x16 slot reports ~12-13 GB/s; nvbandwidth host_to_device_memcpy_ce on RTX 4090s (Gen4 x16) 23.9-26.4
+# GB/s (NVIDIA/nvbandwidth issue 15), 0.76-0.84 of the line rate; a cloud T4 (Gen3 x16) 9.7 GB/s.
+# Spec rates: PCIe 1.0 x16 4 GB/s, 3.0 x16 15.75, 4.0 x16 31.5, 5.0 x16 63.0 GB/s (x8: half).
+# Gen5 has no published copy-engine measurement: 0.8 of the line rate by analogy (estimate).
 # Latency: ~10 us per copy launch + DMA setup. NVMe: a PCIe 3.0 x4 consumer SSD reads ~3.5 GB/s
-# sequentially (3-7 GB/s across generations); ~100 us access latency.
+# sequentially (3-7 GB/s across generations); ~100 us access latency. A 980 PRO (Gen4) is rated 7 GB/s
+# but HOBBIT measured ~3 GB/s of practical expert reads: rated x 0.45 for Gen4/Gen5 (estimate).
 LINK_PROFILES: dict[str, LinkProfile] = {
     "pcie1_x16": LinkProfile("PCIe 1.0 x16", 3.0 * GB, 10e-6, "4 GB/s spec x ~0.75 efficiency"),
     "pcie3_x16": LinkProfile("PCIe 3.0 x16", 12.0 * GB, 10e-6, "15.75 GB/s spec; ~12 GB/s measured pinned H2D"),
     "pcie4_x16": LinkProfile("PCIe 4.0 x16", 25.0 * GB, 10e-6, "31.5 GB/s spec; ~25 GB/s measured pinned H2D"),
+    "pcie3_x8": LinkProfile("PCIe 3.0 x8", 6.0 * GB, 10e-6, "7.88 GB/s spec; half of 3.0 x16's measured 12"),
+    "pcie4_x8": LinkProfile("PCIe 4.0 x8", 12.6 * GB, 10e-6, "15.75 GB/s spec x 0.8 (laptop GPUs, x8 slots)"),
+    "pcie5_x16": LinkProfile("PCIe 5.0 x16", 50.4 * GB, 10e-6, "63.0 GB/s spec x 0.8 (estimate, no measurement)"),
+    "pcie5_x8": LinkProfile("PCIe 5.0 x8", 25.2 * GB, 10e-6, "31.5 GB/s spec x 0.8 (estimate)"),
     "nvme": LinkProfile("NVMe SSD (PCIe 3.0 x4)", 3.5 * GB, 100e-6, "consumer NVMe sequential read"),
+    "nvme_gen4": LinkProfile("NVMe SSD (PCIe 4.0 x4)", 3.15 * GB, 100e-6, "7 GB/s rated x 0.45 (HOBBIT's practical ~3)"),
+    "nvme_gen5": LinkProfile("NVMe SSD (PCIe 5.0 x4)", 6.3 * GB, 100e-6, "14 GB/s rated x 0.45 (estimate)"),
     # For correctness tests: a link so fast it never dominates, yet still asynchronous.
     "test_fast": LinkProfile("test link (100 GB/s)", 100.0 * GB, 0.0, "tests only"),
 }

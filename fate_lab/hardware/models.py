@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fate_lab.hardware.roofline import ModelCosts
+
 
 @dataclass(frozen=True)
 class MemoryTier:
@@ -60,6 +62,24 @@ OTHER_MODELS: dict[str, dict] = {
 }
 
 _EXPERT_WIDTH = ("moe_intermediate_size", "intermediate_size")  # Mixtral/OLMoE name the expert width intermediate_size
+
+
+# What one fp16 token of each published model costs (bytes per decoder layer's dense part, per routed expert, of
+# the LM head; FLOPs at 2 per weight): one constant per model fact. Qwen1.5-MoE-A2.7B: its config built on the
+# meta device and read by fate_lab.core.costs.model_costs (tests/core/test_costs.py re-derives it): attention
+# 4 x 2048^2 + shared expert 3 x 2048 x 5632 + its gate + router + norms = 103.0 MB a layer, an expert
+# 3 x 2048 x 1408 x 2 B = 17.3 MB, the head 151936 x 2048 x 2 B. DeepSeek-MoE-16B (no transformers class, by
+# hand from its config.json): a MoE layer's attention 33.55 MB + 2 shared experts 34.60 MB + router and norms
+# 0.27 MB = 68.43 MB, the first (dense, width 10944) layer 168.04 MB: 2015.59 MB over 28 layers = 71.99 MB a
+# layer on average; the head 102400 x 2048 x 2 B = 419.4 MB.
+PUBLISHED_COSTS: dict[str, ModelCosts] = {
+    "Qwen1.5-MoE-A2.7B": ModelCosts(dense_layer_bytes=103030954.67, dense_layer_flops=103030954.67,
+                                    expert_bytes=17301504, expert_flops=17301504, head_bytes=622329856,
+                                    router_host_bytes=4 * 60 * 2048, num_layers=24),
+    "DeepSeek-MoE-16B": ModelCosts(dense_layer_bytes=2015592448 / 28, dense_layer_flops=2015592448 / 28,
+                                   expert_bytes=17301504, expert_flops=17301504, head_bytes=419430400,
+                                   router_host_bytes=4 * 64 * 2048, num_layers=28),
+}
 
 
 def published_config(name: str) -> dict:

@@ -12,13 +12,14 @@ profile, a link, and the expert a host call is charged for), and THE scaling rul
 With `layer_s=None` the clock is the setup's own (factor 1): a simulation on the setup's compute profile
 with a small model's routing. Either way the ratio (one expert's transfer) / (one layer's compute) is the
 real setup's, so a tiny model on a CPU meets the bottleneck the real machine meets.
-What it is not: a measurement; every number comes from `links.py`, `hosts.py`, `compute.py`, `models.py`.
+What it is not: a measurement; every number comes from `links.py`, `hosts.py`, `profiles.py`, `models.py`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fate_lab.hardware.compute import COMPUTE_PROFILES, ComputeProfile, compute_profile
+from fate_lab.hardware.compute import ComputeProfile
+from fate_lab.hardware.profiles import COMPUTE_PROFILES, compute_profile
 from fate_lab.hardware.hosts import HostTime, host_profile
 from fate_lab.hardware.links import LINK_PROFILES, LinkProfile, link_profile
 from fate_lab.hardware.models import expert_bytes as published_expert_bytes

@@ -24,7 +24,8 @@ import torch
 from fate_lab.core.config import OffloadConfig
 from fate_lab.core.driver import DriverCore, LinkContext, link_capacity
 from fate_lab.core.shape import ModelShape
-from fate_lab.hardware.compute import COMPUTE_PROFILES, ComputeProfile
+from fate_lab.hardware.compute import ComputeProfile
+from fate_lab.hardware.profiles import COMPUTE_PROFILES
 from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.setups import Hardware
 from fate_lab.model.trace import PREFILL, Trace

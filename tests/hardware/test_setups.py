@@ -6,10 +6,11 @@ import torch
 
 from fate_lab.core.driver import scaling_bytes
 from fate_lab.core.shape import ModelShape
-from fate_lab.hardware.compute import COMPUTE_PROFILES, ComputeProfile
+from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.hosts import HOST_PROFILES, HostProfile
 from fate_lab.hardware.links import LINK_PROFILES, LinkProfile
 from fate_lab.hardware.models import expert_bytes
+from fate_lab.hardware.profiles import COMPUTE_PROFILES, HAND_PROFILES, compare_profiles
 from fate_lab.hardware.setups import SETUPS, Hardware, link_names, resolve_link, run_hardware
 from fate_lab.quant import QuantPolicy
 
@@ -21,9 +22,12 @@ def test_a_real_expert_size_comes_from_its_published_config():
     assert expert_bytes("Mixtral-8x7B") == 3 * 4096 * 14336 * 2  # its expert width is named intermediate_size
 
 
-def test_a_setup_layer_time_and_ratio_by_hand():
+def test_a_setup_layer_time_by_the_roofline_by_hand():
     s = SETUPS["qwen15_moe_rtx3090_pcie3"]
-    layer = 0.36e-3 + 4 * 0.035e-3 + 0.01e-3  # dense + top-4 experts + the call's bookkeeping (compute.py)
+    bw = 936.2e9 * 0.75  # RTX 3090 data sheet x the weight-streaming efficiency
+    dense = 20 * 5e-6 + (103030954.67 + 622329856 / 24) / bw  # 20 launches + a layer's dense weights + 1/24 head
+    expert = 4 * 5e-6 + 17301504 / bw
+    layer = dense + 4 * expert + 10e-6  # + top-4 experts + the call's bookkeeping
     assert s.layer_s() == pytest.approx(layer)
     assert s.ratio() == pytest.approx((10e-6 + QWEN_EXPERT / 12e9) / layer)
 
@@ -85,3 +89,10 @@ def test_compute_and_host_profiles_refuse_impossible_numbers():
         ComputeProfile("nan", float("nan"), 0.0, 1e-5, 0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="flops=0"):
         HostProfile("h", 1e9, 0, 1e-5)
+
+
+def test_every_derived_profile_is_within_2x_of_the_first_hand_estimate():
+    for row in compare_profiles():  # two ways of estimating one thing: a wide disagreement means a unit slip
+        ratio = row["decode layer ms (roofline)"] / row["decode layer ms (hand)"]
+        assert 0.5 < ratio < 2.0, row
+    assert set(HAND_PROFILES) == set(COMPUTE_PROFILES)

@@ -19,7 +19,7 @@ from fate_lab.hardware.hosts import HostProfile
 from fate_lab.offloading.runtime import offload
 from fate_lab.paths import EMBEDDED_MODELS
 from fate_lab.policy.placement import HostPlacement, host_layer_set
-from fate_lab.hardware.compute import COMPUTE_PROFILES
+from fate_lab.hardware.profiles import COMPUTE_PROFILES
 from fate_lab.hardware.setups import Hardware
 from fate_lab.core.shape import ModelShape
 from fate_lab.sim.simulate import simulate

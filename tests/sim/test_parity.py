@@ -12,7 +12,7 @@ from helpers import embedded_models
 
 from fate_lab.core.config import OffloadConfig
 from fate_lab.core.shape import ModelShape
-from fate_lab.hardware.compute import COMPUTE_PROFILES
+from fate_lab.hardware.profiles import COMPUTE_PROFILES
 from fate_lab.hardware.setups import Hardware
 from fate_lab.model.adapters import adapt
 from fate_lab.model.record import record_trace

@@ -180,7 +180,7 @@ def test_replay_equals_the_simulator_on_an_instant_link():
     """Two drivers of one cache: the per-layer replay and the multi-layer simulator agree on decode."""
     from fate_lab.model.trace import from_routing_array
     from fate_lab.core.config import OffloadConfig
-    from fate_lab.hardware.compute import COMPUTE_PROFILES
+    from fate_lab.hardware.profiles import COMPUTE_PROFILES
     from fate_lab.hardware.setups import Hardware
     from fate_lab.core.shape import ModelShape
     from fate_lab.sim.simulate import simulate
