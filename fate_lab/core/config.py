@@ -8,6 +8,7 @@ from these objects through one driver core (`fate_lab/core/driver.py`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from fate_lab.policy.rules import Percentile, SelectionRule
@@ -89,47 +90,93 @@ class OffloadConfig:
         return dataclasses.replace(known[name], **overrides)
 
     def __post_init__(self) -> None:
-        for fld, allowed in (("prefetch_budget", ("link", "all")), ("admit_prefetch", ("on_use", "on_load")),
-                             ("store", ("ram", "ssd")), ("host", (None, "cost", "layers"))):
-            if getattr(self, fld) not in allowed:
-                raise ValueError(f"OffloadConfig.{fld}={getattr(self, fld)!r}; choose one of {list(allowed)}")
-        for fld in ("budget", "slots"):
-            v = getattr(self, fld)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"OffloadConfig.{fld}={v!r}: give a non-negative int ({'bytes' if fld == 'budget' else 'expert slots'}) or None")
-        if self.slots_per_layer is not None:
-            spl = self.slots_per_layer
-            if not isinstance(spl, tuple) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in spl):
-                raise ValueError(f"OffloadConfig.slots_per_layer={spl!r}: give a tuple of non-negative ints, one per "
-                                 "MoE layer, or None")
-            if self.budget is not None or self.slots is not None:
-                raise ValueError("give the cache size once: budget=, slots= or slots_per_layer=")
-        if not (isinstance(self.prefetch_window, (int, float)) and 0 < self.prefetch_window < float("inf")):
-            raise ValueError(f"OffloadConfig.prefetch_window={self.prefetch_window!r}: give a number of layer times > 0")
-        from fate_lab.hardware.hosts import HOST_PROFILES
+        _check(self)
 
-        if self.host_profile not in HOST_PROFILES:
-            raise ValueError(f"OffloadConfig.host_profile={self.host_profile!r}; choose one of {sorted(HOST_PROFILES)}")
-        if isinstance(self.host_layers, bool) or not isinstance(self.host_layers, int) or self.host_layers < -1:
-            raise ValueError(f"OffloadConfig.host_layers={self.host_layers!r}: give a number of MoE layers, or -1 for all")
-        if self.host == "layers" and self.host_layers == 0:
-            raise ValueError("OffloadConfig(host='layers') needs host_layers > 0 (or -1: every layer)")
-        if self.lossy is not None:
-            from fate_lab.policy.lossy import LOSSY_KINDS
 
-            if self.lossy not in LOSSY_KINDS:
-                raise ValueError(f"OffloadConfig.lossy={self.lossy!r}; choose None or one of {list(LOSSY_KINDS)}")
-            if self.host is not None or self.quant is not None:
-                raise ValueError("a lossy miss policy runs alone: set host=None and quant=None with lossy=...")
-        if not (isinstance(self.lossy_threshold, (int, float)) and 0.0 <= self.lossy_threshold <= 1.0):
-            raise ValueError(f"OffloadConfig.lossy_threshold={self.lossy_threshold!r}: give a number in [0, 1]")
-        if self.host is not None and self.quant is not None:
-            raise ValueError("host compute runs full-precision experts; it cannot be combined with quant="
-                             f"{self.quant!r} (choose one)")
-        if self.layer_compute_s is not None and not (isinstance(self.layer_compute_s, (int, float))
-                                                     and 0 < self.layer_compute_s < float("inf")):
-            raise ValueError(f"OffloadConfig.layer_compute_s={self.layer_compute_s!r}: give seconds > 0, or None "
-                             "to calibrate")
+PREDICTORS = (None, "cross_layer_gate", "activation_path", "learned_gate")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check(c: OffloadConfig) -> None:
+    """Every knob of a config, checked: the error names the field, the value, the unit and what is allowed."""
+    from fate_lab.hardware.hosts import HOST_PROFILES
+    from fate_lab.hardware.setups import link_names
+    from fate_lab.policy.allocation import ALLOCATIONS
+    from fate_lab.policy.lossy import LOSSY_KINDS
+    from fate_lab.policy.registry import POLICIES
+    from fate_lab.policy.rules import SelectionRule
+    from fate_lab.quant import QuantPolicy
+
+    def fail(field: str, what: str) -> None:
+        raise ValueError(f"OffloadConfig.{field}={getattr(c, field)!r}: {what}")
+
+    choices = {"prefetch_budget": ("link", "all"), "admit_prefetch": ("on_use", "on_load"), "store": ("ram", "ssd"),
+               "host": (None, "cost", "layers"), "predictor": PREDICTORS, "lossy": (None, *LOSSY_KINDS),
+               "allocation": tuple(ALLOCATIONS)}
+    for field, allowed in choices.items():
+        if getattr(c, field) not in allowed:
+            fail(field, f"choose one of {list(allowed)}")
+    if c.link != "instant" and c.link not in link_names():
+        fail("link", f"choose 'instant', a link ({', '.join(link_names())})")
+    if not isinstance(c.replacement, str) or c.replacement.lower() not in POLICIES:
+        fail("replacement", f"choose one of {sorted(POLICIES)}")
+    for field in ("cache", "all_resident", "popularity_order", "native_link", "timeline"):
+        if not isinstance(getattr(c, field), bool):
+            fail(field, "give True or False")
+    for field, unit in (("budget", "bytes"), ("slots", "expert slots"), ("shallow_layers", "MoE layers"),
+                        ("prefetch_buffer_experts", "experts in each of the two prefetch pools")):
+        v = getattr(c, field)
+        if v is not None and not (_is_int(v) and v >= 0):
+            fail(field, f"give an int >= 0 ({unit}) or None")
+    for field, lo, unit in (("context_len", 1, "tokens of KV cache"), ("calibration_steps", 2,
+                            "decode steps timed (the median of fewer is noise)"), ("timeline_max_events", 0, "events"),
+                            ("standin_window", 0, "decode calls")):
+        v = getattr(c, field)
+        if not (_is_int(v) and v >= lo):
+            fail(field, f"give an int >= {lo} ({unit})")
+    if c.slots_per_layer is not None:
+        spl = c.slots_per_layer
+        if not isinstance(spl, tuple) or not all(_is_int(v) and v >= 0 for v in spl):
+            fail("slots_per_layer", "give a tuple of ints >= 0, one per MoE layer, or None")
+        if c.budget is not None or c.slots is not None:
+            raise ValueError("give the cache size once: budget=, slots= or slots_per_layer=")
+    if not (_is_real(c.prefetch_window) and c.prefetch_window > 0):
+        fail("prefetch_window", "give a finite number of layer times > 0")
+    if not (_is_real(c.transfer_timeout_s) and c.transfer_timeout_s > 0):
+        fail("transfer_timeout_s", "give a finite number of seconds > 0 (the hang guard cannot be switched off)")
+    if c.layer_compute_s is not None and not (_is_real(c.layer_compute_s) and c.layer_compute_s > 0):
+        fail("layer_compute_s", "give a finite number of seconds > 0, or None to calibrate")
+    if not (_is_real(c.lossy_threshold) and 0.0 <= c.lossy_threshold <= 1.0):
+        fail("lossy_threshold", "give a number in [0, 1] (a share of the gate weight, or of router mass)")
+    if c.min_similarity is not None and not (_is_real(c.min_similarity) and -1.0 <= c.min_similarity <= 1.0):
+        fail("min_similarity", "give a similarity in [-1, 1] or None")
+    if c.rule is not None and not isinstance(c.rule, SelectionRule):
+        fail("rule", "give a selection rule (e.g. Percentile(75.0), TopK(4)) or None")
+    if c.host_profile not in HOST_PROFILES:
+        fail("host_profile", f"choose one of {sorted(HOST_PROFILES)}")
+    if not (_is_int(c.host_layers) and c.host_layers >= -1):
+        fail("host_layers", "give a number of MoE layers, or -1 for all")
+    if c.host == "layers" and c.host_layers == 0:
+        raise ValueError("OffloadConfig(host='layers') needs host_layers > 0 (or -1: every layer)")
+    if c.quant is not None:
+        try:
+            QuantPolicy.preset(c.quant)
+        except ValueError as exc:
+            raise ValueError(f"OffloadConfig.quant={c.quant!r}: {exc}") from None
+    if c.lossy is not None and (c.host is not None or c.quant is not None):
+        raise ValueError("a lossy miss policy runs alone: set host=None and quant=None with lossy=...")
+    if c.host is not None and c.quant is not None:
+        raise ValueError("host compute runs full-precision experts; it cannot be combined with quant="
+                         f"{c.quant!r} (choose one)")
+    if c.store == "ssd" and c.checkpoint is None:
+        raise ValueError("OffloadConfig(store='ssd') needs checkpoint=<the model's safetensors file or folder>")
 
 
 _PRESETS: dict[str, OffloadConfig] = {

@@ -7,13 +7,11 @@ one config. What it is not: the policies themselves (`fate_lab/policy/`), nor a 
 """
 from __future__ import annotations
 
-from fate_lab.core.config import OffloadConfig
+from fate_lab.core.config import PREDICTORS, OffloadConfig
 from fate_lab.core.shape import ModelShape
 from fate_lab.policy.lossy import MissPolicy
 from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor
 from fate_lab.policy.rules import TopK
-
-PREDICTORS = (None, "cross_layer_gate", "activation_path", "learned_gate")
 
 
 def build_predictor(config: OffloadConfig, shape: ModelShape) -> Predictor | None:

@@ -346,4 +346,7 @@ def adapt(model: nn.Module) -> MoEAdapter:
     if getattr(getattr(model, "config", None), "model_type", None) is None:
         raise ValueError(f"{type(model).__name__} is not a transformers model (no config.model_type); fate_lab "
                          f"adapts transformers MoE models, e.g. the families {SUPPORTED_FAMILIES}")
+    if is_offloaded(model):
+        raise RuntimeError("this model is offloaded by a fate_lab Runtime: its experts live in the runtime's store, "
+                           "not in the model; adapt the model before offload(), or after close()")
     return MoEAdapter(model)

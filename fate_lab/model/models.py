@@ -110,6 +110,11 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         kwargs["dtype"] = d
     if experts_implementation is not None:
         kwargs["experts_implementation"] = experts_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers would have initialised them at random: a model that is not the checkpoint
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} of the model's tensors (e.g. {missing[:3]}); "
+                         "they would run randomly initialised. Re-export the checkpoint (save_pretrained) or copy "
+                         "its missing *.safetensors shard")
     _check_finite(model, path, d)
     return model.to(device).eval(), tokenizer

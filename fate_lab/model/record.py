@@ -66,8 +66,10 @@ def record_trace(model, tokenizer, prompts: list, decode_tokens: int = 32, max_p
     """Prefill each prompt, then greedy-decode ``decode_tokens`` steps, recording every MoE layer."""
     if isinstance(prompts, (str, bytes)):
         raise TypeError("prompts must be a list of strings or token-id lists, not a single string")
-    if decode_tokens < 0:
-        raise ValueError(f"decode_tokens must be >= 0, got {decode_tokens}")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts={prompts!r}: give a non-empty list of strings or token-id lists")
+    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
+        raise ValueError(f"decode_tokens={decode_tokens!r}: give an int >= 0 (greedy decode steps per prompt)")
     if is_offloaded(model):
         raise RuntimeError("this model is offloaded by a fate_lab Runtime: record_trace needs the plain model "
                            "(its experts in place); close() the runtime first, then record")
@@ -86,6 +88,11 @@ def record_trace(model, tokenizer, prompts: list, decode_tokens: int = 32, max_p
                 ids = ids[:max_prompt_tokens]
             if not ids:
                 raise ValueError(f"prompt {p} is empty after tokenisation")
+            vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else \
+                model.config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {p} holds token ids outside the model's vocabulary [0, {vocab}): {bad[:5]}")
             x = torch.tensor([ids], device=device)  # (1, T)
             out = model(input_ids=x, use_cache=True)
             cap = rec.take()

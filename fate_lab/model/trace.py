@@ -80,6 +80,14 @@ class Trace:
                 raise ValueError(f"Trace.{name} has shape {tuple(t.shape)}, expected ({N}, {L}, ...)")
         if self.experts.numel() and (self.experts.min() < 0 or self.experts.max() >= self.num_experts):
             raise ValueError(f"expert ids must lie in [0, {self.num_experts}); got {self.experts.min()}..{self.experts.max()}")
+        if self.router_weights is not None:
+            rw = self.router_weights
+            H = None if self.gate_inputs is None else self.gate_inputs.shape[-1]
+            if rw.dim() != 3 or rw.shape[0] != L or rw.shape[1] < (int(self.experts.max()) + 1 if self.experts.numel()
+                                                                   else 0) or (H is not None and rw.shape[2] != H):
+                raise ValueError(f"Trace.router_weights must be [layers={L}, experts, hidden"
+                                 f"{'' if H is None else '=' + str(H)}] (one router weight per MoE layer, wide enough "
+                                 f"for every routed id); got shape {tuple(rw.shape)}")
         if self.phase.is_floating_point() or self.phase.is_complex():
             raise TypeError(f"Trace.phase must hold integers {PREFILL} (prefill) or {DECODE} (decode), "
                             f"got dtype {self.phase.dtype}")
@@ -154,13 +162,23 @@ class Trace:
     @staticmethod
     def load(path: str | Path) -> "Trace":
         """Read a trace written by ``save`` (safetensors + JSON metadata; no pickles)."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get("fate_lab_trace")
-            if raw is None:
-                raise ValueError(f"{path} is a safetensors file but not a fate_lab trace (no 'fate_lab_trace' metadata)")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a folder; give the trace's .safetensors file (Trace.save writes one)")
+        if not path.is_file():
+            raise FileNotFoundError(f"no trace file at {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                raw = (f.metadata() or {}).get("fate_lab_trace")
+                if raw is None:
+                    raise ValueError(f"{path} is a safetensors file but not a fate_lab trace (no 'fate_lab_trace' "
+                                     "metadata)")
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except SafetensorError as exc:
+            raise ValueError(f"{path} is not a readable safetensors file ({exc}): truncated or corrupt? Save the "
+                             "trace again (Trace.save)") from None
         try:
             meta = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -281,6 +299,8 @@ def from_routing_array(routing, num_experts: int | None = None, phase=None, prom
     if experts.dim() != 3:
         raise ValueError(f"a routing array must be [tokens, layers, k]; got shape {tuple(experts.shape)}")
     N, L, k = experts.shape
+    if N == 0:
+        raise ValueError("routing has 0 tokens: a trace needs at least one token's routing")
     if meta is not None and not isinstance(meta, Mapping):
         raise TypeError(f"meta must be a dict (JSON-serialisable), got {type(meta).__name__}")
     meta = dict(meta or {}, source=(meta or {}).get("source", "routing array"))

@@ -131,6 +131,10 @@ def _prepare(experts, predictions: Predictions | None, phase):
         raise ValueError(f"experts must be [N, L, k], got shape {tuple(ex.shape)}")
     if ex.is_floating_point():
         raise TypeError(f"expert ids must be integers, got dtype {ex.dtype}")
+    if trace is None:  # a bare tensor gets the checks a Trace has: ids >= 0, k distinct ids per row, >= 1 token
+        from fate_lab.model.trace import from_routing_array
+
+        from_routing_array(ex, num_experts=int(ex.max()) + 1 if ex.numel() else 1)
     N, L, k = ex.shape
     if isinstance(phase, str):
         if phase not in PHASES:
@@ -232,6 +236,11 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
     return _summ(stats, core.slots_per_layer, shape, None if config.slots_per_layer else core.plan, unit, unit)
 
 
+def _check_admit(admit_prefetch) -> None:
+    if admit_prefetch not in ("on_use", "on_load"):
+        raise ValueError(f"admit_prefetch={admit_prefetch!r}; choose 'on_use' (staged until used) or 'on_load'")
+
+
 def _replay_config(config, L, slots_per_layer, policy, prefetch_buffer, admit_prefetch) -> OffloadConfig:
     """The config a replay runs: the given one (conveniences may not contradict it), or one built from them."""
     if config is not None:
@@ -288,6 +297,7 @@ def sweep(experts, *, boundaries: Sequence[int], budgets: Sequence[int], num_exp
     in ``n_jobs`` processes (joblib; -1: every core; a cluster user can wrap the call in
     ``joblib.parallel_backend("ray")``).
     """
+    _check_admit(admit_prefetch)
     uses, preds, phases, L, top_k, _ = _prepare(experts, predictions, phase)
     kw = policy_kw or {}
     pairs = sorted({(l, s) for b in boundaries for budget in budgets
@@ -334,6 +344,7 @@ def miss_curves(experts, num_experts: int, *, policy: PolicySpec = "lru", predic
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r}: give the experts per layer, an int >= 1")
+    _check_admit(admit_prefetch)
     uses, preds, phases, L, k, _ = _prepare(experts, predictions, None)
     top = max((max(max(r) for r in u) for u in uses if u), default=-1)
     if top >= num_experts:

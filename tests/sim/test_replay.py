@@ -206,3 +206,23 @@ def test_sweep_and_miss_curves_give_the_same_numbers_in_parallel():
     b = sweep(ex, boundaries=[0, 1], budgets=[6, 12], num_experts=8, policy="arc", n_jobs=2)
     assert a == b
     assert miss_curves(ex, 8, policy="arc") == miss_curves(ex, 8, policy="arc", n_jobs=2)
+
+
+def test_replay_refuses_negative_duplicate_or_misnamed_inputs():
+    import numpy as np
+
+    with pytest.raises(ValueError, match="expert ids must lie in"):
+        replay(torch.tensor([[[-1, 2]]]), slots_per_layer=2)
+    with pytest.raises(ValueError, match="repeats an expert id"):
+        replay(torch.tensor([[[1, 1]]]), slots_per_layer=2)
+    with pytest.raises(ValueError, match="slots_per_layer=2.5: give one int for every layer"):
+        replay(torch.tensor([[[1, 0]]]), slots_per_layer=2.5)
+    with pytest.raises(TypeError, match="needs a config or slots_per_layer"):
+        replay(torch.tensor([[[1, 0]]]))
+    assert replay(torch.tensor([[[1, 0]]]), slots_per_layer=np.int64(2)).slots_per_layer == [2]  # numpy ints work
+    with pytest.raises(ValueError, match="admit_prefetch='sometimes'"):
+        sweep(torch.tensor([[[1, 0]]]), boundaries=[0], budgets=[2], num_experts=2, admit_prefetch="sometimes")
+    with pytest.raises(ValueError, match="num_experts=3 but the trace routes to expert 7"):
+        miss_curves(torch.tensor([[[7, 0]]]), 3)
+    with pytest.raises(ValueError, match="above max_replays"):
+        miss_curves(torch.tensor([[[7, 0]]]), 10**6)

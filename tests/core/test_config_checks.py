@@ -1,0 +1,41 @@
+"""Every numeric and named knob of OffloadConfig is checked: the error names the field, the value and what is allowed."""
+import pytest
+
+from fate_lab.core.config import OffloadConfig
+
+CASES = [
+    ({"transfer_timeout_s": float("nan")}, "transfer_timeout_s=nan.*cannot be switched off"),
+    ({"transfer_timeout_s": 0}, "transfer_timeout_s=0.*seconds > 0"),
+    ({"transfer_timeout_s": -1}, "transfer_timeout_s=-1"),
+    ({"prefetch_buffer_experts": -2}, "prefetch_buffer_experts=-2: give an int >= 0"),
+    ({"calibration_steps": 0}, "calibration_steps=0: give an int >= 2"),
+    ({"admit_prefetch": "sometimes"}, "admit_prefetch='sometimes'.*on_use"),
+    ({"link": "pcie9"}, "link='pcie9'.*instant"),
+    ({"quant": "int5"}, "quant='int5'.*preset"),
+    ({"replacement": "fifo"}, "replacement='fifo'"),
+    ({"context_len": 0}, "context_len=0.*tokens of KV cache"),
+    ({"prefetch_window": float("inf")}, "prefetch_window=inf"),
+    ({"layer_compute_s": float("nan")}, "layer_compute_s=nan"),
+    ({"lossy_threshold": float("nan")}, "lossy_threshold=nan"),
+    ({"min_similarity": 2.0}, r"min_similarity=2.0.*\[-1, 1\]"),
+    ({"cache": "yes"}, "cache='yes': give True or False"),
+    ({"slots": 2.5}, "slots=2.5: give an int >= 0"),
+    ({"budget": True}, "budget=True"),
+    ({"timeline_max_events": -1}, "timeline_max_events=-1"),
+    ({"store": "ssd"}, "needs checkpoint="),
+    ({"rule": "percentile"}, "rule='percentile': give a selection rule"),
+    ({"predictor": "oracle"}, "predictor='oracle'"),
+    ({"allocation": "greedy"}, "allocation='greedy'"),
+    ({"slots": 4, "slots_per_layer": (1, 1)}, "give the cache size once"),
+]
+
+
+@pytest.mark.parametrize("kw,match", CASES, ids=[next(iter(k)) + str(i) for i, (k, _) in enumerate(CASES)])
+def test_a_bad_knob_is_refused_naming_it(kw, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadConfig.preset("fate", **kw)
+
+
+def test_every_preset_passes_its_own_checks():
+    for name in OffloadConfig.preset_names(include_quant=True):
+        assert OffloadConfig.preset(name).name == name
