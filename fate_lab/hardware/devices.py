@@ -79,6 +79,11 @@ DEVICES: dict[str, DeviceSpec] = {
     "rtx3060": DeviceSpec("GeForce RTX 3060 12GB", 360 * GB, 25.5 * TF, 12, "pcie4_x16", source=f"{_GA102}: 360 GB/s, 25.5 (51)"),
     "rtx4060_laptop": DeviceSpec("GeForce RTX 4060 Laptop GPU", 256 * GB, 21.5 * TF, 8, "pcie4_x8",
                                  source="nvidia.com 40-series laptops: 256 GB/s, 8 GB, PCIe 4.0 x8; 21.5 (43) TFLOP/s"),
+    "rtx2080": DeviceSpec("GeForce RTX 2080", 448 * GB, 40.3 * TF, 8, "pcie3_x16",
+                          source="NVIDIA Turing whitepaper: 448 GB/s, 8 GB; FP16 tensor with FP32 accumulate 40.3 "
+                                 "(80.5 FP16-accumulate) TFLOP/s (estimate from the whitepaper's ratios)"),
+    "rtx4080": DeviceSpec("GeForce RTX 4080", 716.8 * GB, 97.5 * TF, 16, "pcie4_x16",
+                          source=f"{_ADA}: 716.8 GB/s, 16 GB; 97.5 (195) TFLOP/s"),
     "gtx1080ti": DeviceSpec("GeForce GTX 1080 Ti", 484 * GB, 11.3 * TF, 11, "pcie3_x16",
                             source="nvidia.com 10-series: 484 GB/s, 11 GB, PCIe 3.0; no tensor cores: fp16 GEMM at the "
                                    "11.3 TFLOP/s FP32 rate (cuBLAS FP32 compute)"),

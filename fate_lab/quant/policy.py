@@ -33,17 +33,18 @@ class QuantPolicy:
 
     @classmethod
     def preset(cls, name: str) -> "QuantPolicy":
-        """fate (INT4 cache/prefetch, INT2 misses and half the prefill), fp16 (none), int8, int4."""
+        """fate (INT4 cache/prefetch, INT2 misses and half the prefill), fp16 (none), and every expert at one
+        precision: int8, int4, int3 (g64), int2 (g32)."""
         if name == "fate":
             int4, int2 = QuantSpec.preset("int4"), QuantSpec.preset("int2")
             # The paper does not publish the share of prefill experts sent at INT2; 0.5 is our knob.
             return cls(cache=int4, prefetch=int4, prefill_low=int2, prefill_low_share=0.5, miss=int2)
         if name in ("fp16", "fate_fp16"):
             return cls()
-        if name in ("int8", "int4"):
+        if name in ("int8", "int4", "int3", "int2"):
             s = QuantSpec.preset(name)
             return cls(cache=s, prefetch=s, prefill_low=s, prefill_low_share=0.0, miss=s)
-        raise ValueError(f"unknown QuantPolicy preset {name!r}; known: fate, fp16, fate_fp16, int8, int4")
+        raise ValueError(f"unknown QuantPolicy preset {name!r}; known: fate, fp16, fate_fp16, int8, int4, int3, int2")
 
     def with_shallow(self, num_layers: int, spec: QuantSpec | None) -> "QuantPolicy":
         """This policy with MoE layers 0..num_layers-1 kept at spec for every reason."""
