@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                   "int8" in name else "NO")
                     hw = Hardware(compute, LINK_PROFILES[native_profile]) if native else \
                         run_hardware(link, layer_s, compute)
-                    pred = simulate(trace, cfg, hw, shape).decode_tok_s if "quant" not in name else float("nan")
+                    pred = simulate(trace, cfg, hw, shape).decode_tok_s  # quantized: the plain routing, its bytes
                     row = [link + (" (native)" if native else " (emulated)"), f"{share:.0%}", name, f"{tps:.1f}",
                            f"{tps / plain_tps:.2f}", f"{s['hit_rate']:.3f}", f"{1e3 * s['stall_s'] / n:.2f}",
                            f"{s['bytes_moved'] / n / 2**20:.2f}", same, f"{pred:.1f}", f"{pred / tps:.2f}"]
