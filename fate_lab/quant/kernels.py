@@ -296,6 +296,9 @@ def quantize(w: torch.Tensor, spec: QuantSpec, name: str | None = None) -> Quant
 
     ValueError (naming `name` when given) for non-finite weights or max |w| beyond fp16's 65504.
     """
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec={spec!r}: give a QuantSpec (e.g. QuantSpec(4, 64) or QuantSpec.preset('int4')), not "
+                        f"a {type(spec).__name__}")
     shape = tuple(w.shape)
     _check_shape(shape, spec)
     qmax = 2 ** spec.bits - 1

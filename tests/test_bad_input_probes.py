@@ -1,0 +1,15 @@
+"""The bad-input probes of scripts/probe_inputs.py as a test: every probe a clear error, none accepted silently."""
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_bad_input_probe_gets_a_clear_error(capsys):
+    spec = importlib.util.spec_from_file_location("probe_inputs", ROOT / "scripts" / "probe_inputs.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    rc = probe.main()
+    out = capsys.readouterr().out
+    assert rc == 0, "\n".join(line for line in out.splitlines() if line.startswith(("unclear", "silent")))
+    assert "unclear error: 0, silent accept: 0" in out
