@@ -34,7 +34,7 @@ class OffloadConfig:
     # None: calibrated at offload time on a short greedy run from a seeded prompt (LRU curves)
     shallow_layers: int | None = None  # Fate's L for allocation="shallow"; None: 1/8 of the MoE layers
     # (the paper uses L = 3-4 of Qwen1.5-MoE's 24 layers), at least 1
-    replacement: str = "arc"  # replacement.POLICIES key
+    replacement: str = "arc"  # registry.POLICIES key
     cache: bool = True  # False: nothing stays on the device after use (load on demand)
     all_resident: bool = False  # upper bound: every expert gets a slot, loaded before the first token;
     # budget/slots are then ignored

@@ -35,16 +35,15 @@ from fate_lab.core.driver import DriverCore
 from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.setups import Hardware
 from fate_lab.policy.allocation import ShallowFavoringAllocation
-from fate_lab.policy.cache import ExpertCache
 from fate_lab.policy.prediction_metrics import predict_trace
-from fate_lab.policy.replacement import ReplacementPolicy
-from fate_lab.policy.registry import policy_from_name
 from fate_lab.policy.rules import RouterScores, SelectionRule
+from fate_lab.policy.registry import policy_from_name
 from fate_lab.policy.stats import PHASES, PhaseStats, RunStats
+from fate_lab.sim.fast_replay import PredictedSets, fast_supported
+from fate_lab.sim.layer_replay import (LayerStats, PolicySpec, fast_layers, make_policy, replay_layer,
+                                       replay_layer_pure, run_layers)
 
 Predictions = list  # list[N] of list[L] of (list[int] | None)
-PolicySpec = str | Callable[[int], ReplacementPolicy]
-LayerStats = dict  # {"prefill": PhaseStats, "decode": PhaseStats} of one layer
 
 
 def predictions_from_rule(pred_scores: Tensor, rule: SelectionRule) -> Predictions:
@@ -54,72 +53,9 @@ def predictions_from_rule(pred_scores: Tensor, rule: SelectionRule) -> Predictio
     return [[None] + flat[t * Lm1 : (t + 1) * Lm1] for t in range(N)]
 
 
-class _Landed:
-    """The instant link of a one-layer replay: every transfer has landed when `submit` returns."""
-
-    def __init__(self, cache_phase: Callable[[], str], stats: LayerStats):
-        self.phase, self.stats = cache_phase, stats
-
-    def submit(self, m, e, slot, urgent, reason):
-        self.stats[self.phase()].bytes_moved += 1  # one expert; scaled to bytes at the end
-        return True
-
-    def cancel(self, handle) -> bool:
-        return False
-
-    def poll(self, handle) -> bool:
-        return True
-
-    def wait(self, m, e, handle) -> bool:
-        return True
-
-    def reload(self, m, e, slot, reason) -> None:  # pragma: no cover - nothing fails here
-        raise RuntimeError("an instant transfer cannot fail")
-
-    def capacity(self, m):
-        return None
-
-
-def _make_policy(policy: PolicySpec, capacity: int, uses: list[list[int]], policy_kw: dict) -> ReplacementPolicy:
-    if isinstance(policy, str):
-        if policy.lower() == "belady":
-            return policy_from_name(policy, capacity, future=uses)
-        return policy_from_name(policy, capacity, **policy_kw)
-    return policy(capacity)
-
-
-def _replay_layer(uses: list[list[int]], preds: list | None, phases: list[int], pol: ReplacementPolicy,
-                  buffer: int = 0, top_k: int = 1, admit_prefetch: str = "on_load",
-                  probs: list[list[float]] | None = None) -> LayerStats:
-    """Replay one layer's uses (``uses[t]`` = ids, in the router's order) through one ExpertCache; its counters
-    per phase (bytes_moved counts experts moved)."""
-    stats: LayerStats = {p: PhaseStats() for p in PHASES}
-    cache: ExpertCache
-    link = _Landed(lambda: cache.phase, stats)
-    cache = ExpertCache([pol.capacity], lambda m, c: pol, max(1, top_k), buffer, link, [stats],
-                        admit_on_use=admit_prefetch == "on_use")
-    layer = cache.layers[0]
-    tick = getattr(pol, "at", None)
-    begin, acquire, done, prefetch = cache.begin, cache.acquire, cache.done, cache.prefetch
-    for t, need in enumerate(uses):
-        if tick is not None:
-            tick(t)
-        cache.phase = PHASES[phases[t]]
-        if probs is not None:
-            pol.observe(probs[t], 1)
-        if preds is not None and preds[t]:
-            prefetch(0, preds[t])
-        elif preds is not None:
-            layer.prediction = None
-        for e in begin(0, list(dict.fromkeys(need))):
-            acquire(0, e)
-            done(0, e)
-        cache.end(0)
-    return stats
-
-
 def _prepare(experts, predictions: Predictions | None, phase):
-    """(uses per layer, predictions per layer, phase per token, L, k, trace or None) from a Trace or a tensor."""
+    """(uses per layer, predictions per layer, phase per token, L, k, trace or None, ids [N, L, k]) from a Trace or
+    a tensor."""
     from fate_lab.model.trace import Trace
 
     trace = experts if isinstance(experts, Trace) else None
@@ -143,14 +79,19 @@ def _prepare(experts, predictions: Predictions | None, phase):
     rows = ex.tolist()
     uses = [[rows[t][l] for t in range(N)] for l in range(L)]
     preds = None
-    if predictions is not None:
+    if isinstance(predictions, PredictedSets):
+        if predictions.offsets.shape != (L, N + 1):
+            raise ValueError(f"predictions cover {predictions.offsets.shape[0]} layers x "
+                             f"{predictions.offsets.shape[1] - 1} tokens, the trace {L} x {N}")
+        preds = [predictions.layer_lists(l) for l in range(L)]
+    elif predictions is not None:
         if len(predictions) != N:
             raise ValueError(f"predictions has {len(predictions)} tokens, the trace {N}")
         preds = [[predictions[t][l] for t in range(N)] for l in range(L)]
     phases = [1] * N if phase is None else [int(p) for p in torch.as_tensor(phase).tolist()]
     if len(phases) != N or any(p not in (0, 1) for p in phases):
         raise ValueError(f"phase must hold one 0 (prefill) or 1 (decode) per token ({N} tokens)")
-    return uses, preds, phases, L, k, trace
+    return uses, preds, phases, L, k, trace, ex
 
 
 def trace_shape(trace_or_experts, num_experts: int | None = None) -> ModelShape:
@@ -200,7 +141,7 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
            slots_per_layer: Sequence[int] | int | None = None, policy: PolicySpec | None = None,
            predictions: Predictions | None = None, phase: Tensor | str | None = None,
            policy_kw: dict | None = None, prefetch_buffer: int | None = None,
-           admit_prefetch: str | None = None, expert_bytes: int | None = None) -> RunStats:
+           admit_prefetch: str | None = None, expert_bytes: int | None = None, fast: bool = True) -> RunStats:
     """Replay a routing trace through per-layer caches (semantics in the module docstring).
 
     ``config``: the `OffloadConfig` whose cache-related part runs (default: LRU, no predictor); the slots
@@ -210,7 +151,7 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
     ``admit_prefetch``. ``predictions[t][l]``: ids predicted for layer l of token t (None: the config's
     predictor, from the trace). ``expert_bytes``: the unit of bytes_moved (default: the shape's expert).
     """
-    uses, preds, phases, L, k, trace = _prepare(experts, predictions, phase)
+    uses, preds, phases, L, k, trace, ex = _prepare(experts, predictions, phase)
     unit = expert_bytes if expert_bytes is not None else 1 if shape is None else shape.nbytes(None)
     config = _replay_config(config, L, slots_per_layer, policy, prefetch_buffer, admit_prefetch)
     if shape is None:  # ids seen are a lower bound on a bare tensor's expert count; slots asked for may say more
@@ -222,7 +163,7 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
         preds = [[p[t][l] for t in range(len(p))] for l in range(L)]
     pol_spec = policy if policy is not None and not isinstance(policy, str) else config.replacement
     kw = policy_kw or {}
-    pols = [_make_policy(pol_spec, s, uses[l], kw) for l, s in enumerate(core.slots_per_layer)]
+    pols = [make_policy(pol_spec, s, uses[l], kw) for l, s in enumerate(core.slots_per_layer)]
     probs = [None] * L
     if any(p.wants_scores for p in pols):
         if router is None:
@@ -231,8 +172,12 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
         gi = trace.gate_inputs.float()
         probs = [router.scores(l, gi[:, l]).tolist() for l in range(L)]
     buffer = core.prefetch_buffers if preds is not None else 0
-    stats = [_replay_layer(uses[l], None if preds is None else preds[l], phases, pols[l], buffer, k,
-                           config.admit_prefetch, probs[l]) for l in range(L)]
+    if fast and probs[0] is None and fast_supported(pol_spec, kw):
+        stats = fast_layers(ex, preds, phases, pol_spec, kw, list(enumerate(core.slots_per_layer)), buffer,
+                      config.admit_prefetch, 1)
+    else:
+        stats = [replay_layer(uses[l], None if preds is None else preds[l], phases, pols[l], buffer, k,
+                               config.admit_prefetch, probs[l]) for l in range(L)]
     return _summ(stats, core.slots_per_layer, shape, None if config.slots_per_layer else core.plan, unit, unit)
 
 
@@ -288,24 +233,23 @@ def sweep(experts, *, boundaries: Sequence[int], budgets: Sequence[int], num_exp
           policy: PolicySpec = "arc", predictions: Predictions | None = None, phase: Tensor | None = None,
           expert_bytes: int = 1, allocation: Callable[[int], object] = ShallowFavoringAllocation,
           policy_kw: dict | None = None, prefetch_buffer: int = 0, admit_prefetch: str = "on_load",
-          n_jobs: int = 1, max_replays: int = 200_000) -> dict[str, list]:
+          n_jobs: int = 1, max_replays: int = 200_000, fast: bool = True) -> dict[str, list]:
     """Replay every (shallow boundary L, cache_total) pair; columns of a table (``pd.DataFrame(out)``).
 
     ``budgets`` are ``cache_total`` slot counts; ``allocation(L)`` builds the allocator (Fate's
     shallow-favoring one by default). Layer results are cached per (layer, slots), so the grid
     costs at most ``num_layers * (num_experts + 1)`` layer replays (refused above ``max_replays``), which run
     in ``n_jobs`` processes (joblib; -1: every core; a cluster user can wrap the call in
-    ``joblib.parallel_backend("ray")``).
+    ``joblib.parallel_backend("ray")``), or in ``n_jobs`` threads of the compiled replay (``fast``).
     """
     _check_admit(admit_prefetch)
-    uses, preds, phases, L, top_k, _ = _prepare(experts, predictions, phase)
+    uses, preds, phases, L, top_k, _, ex = _prepare(experts, predictions, phase)
     kw = policy_kw or {}
     pairs = sorted({(l, s) for b in boundaries for budget in budgets
                     for l, s in enumerate(allocation(b).allocate(budget, L, num_experts))})
     _bound(len(pairs), max_replays, "sweep")
-    memo = dict(zip(pairs, _parallel(n_jobs, [
-        (uses[l], None if preds is None else preds[l], phases, policy, s, kw, prefetch_buffer, top_k, admit_prefetch)
-        for l, s in pairs])))
+    memo = dict(zip(pairs, run_layers(ex, uses, preds, phases, policy, kw, pairs, prefetch_buffer, top_k, admit_prefetch,
+                                 n_jobs, fast)))
     cols: dict[str, list] = {k: [] for k in ("boundary", "cache_total", "slots", "hit_rate", "hit_rate_prefill",
                                              "hit_rate_decode", "misses", "bytes_moved", "prefetch_loads",
                                              "prefetch_wasted")}
@@ -335,26 +279,25 @@ def sweep(experts, *, boundaries: Sequence[int], budgets: Sequence[int], num_exp
 
 def miss_curves(experts, num_experts: int, *, policy: PolicySpec = "lru", predictions: Predictions | None = None,
                 policy_kw: dict | None = None, prefetch_buffer: int = 0, admit_prefetch: str = "on_load",
-                n_jobs: int = 1, max_replays: int = 200_000) -> list[list[int]]:
+                n_jobs: int = 1, max_replays: int = 200_000, fast: bool = True) -> list[list[int]]:
     """``curves[l][c]`` = misses of layer l with c slots (c = 0..E), prefetching included.
 
     Feed to ``allocation.MissCurveAllocation`` to allocate for the policy and predictor in use.
     The L x (E + 1) layer replays (refused above ``max_replays``) run in ``n_jobs`` processes (joblib; -1:
-    every core).
+    every core), or in ``n_jobs`` threads of the compiled replay (``fast``).
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r}: give the experts per layer, an int >= 1")
     _check_admit(admit_prefetch)
-    uses, preds, phases, L, k, _ = _prepare(experts, predictions, None)
+    uses, preds, phases, L, k, _, ex = _prepare(experts, predictions, None)
     top = max((max(max(r) for r in u) for u in uses if u), default=-1)
     if top >= num_experts:
         raise ValueError(f"num_experts={num_experts} but the trace routes to expert {top}: give the trace's expert "
                          f"count (at least {top + 1})")
     _bound(L * (num_experts + 1), max_replays, "miss_curves")
     kw = policy_kw or {}
-    jobs = [(uses[l], None if preds is None else preds[l], phases, policy, c, kw, prefetch_buffer, k, admit_prefetch)
-            for l in range(L) for c in range(num_experts + 1)]
-    res = _parallel(n_jobs, jobs)
+    pairs = [(l, c) for l in range(L) for c in range(num_experts + 1)]
+    res = run_layers(ex, uses, preds, phases, policy, kw, pairs, prefetch_buffer, k, admit_prefetch, n_jobs, fast)
     E1 = num_experts + 1
     return [[sum(r[p].uses - r[p].hits for p in PHASES) for r in res[l * E1:(l + 1) * E1]] for l in range(L)]
 
@@ -365,17 +308,4 @@ def _bound(n: int, limit: int, what: str) -> None:
                          f"budgets or layers, or raise max_replays if you mean it")
 
 
-def _one(uses, preds, phases, policy, capacity, kw, buffer, top_k, admit) -> LayerStats:
-    return _replay_layer(uses, preds, phases, _make_policy(policy, capacity, uses, kw), buffer, top_k, admit)
-
-
-def _parallel(n_jobs: int, jobs: list[tuple]) -> list[LayerStats]:
-    """Layer replays in order, in n_jobs joblib workers (1: here, no processes)."""
-    if n_jobs == 1 or len(jobs) < 2:
-        return [_one(*j) for j in jobs]
-    from joblib import Parallel, delayed
-
-    return Parallel(n_jobs=n_jobs)(delayed(_one)(*j) for j in jobs)
-
-
-__all__ = ["predictions_from_rule", "replay", "sweep", "miss_curves", "trace_shape"]
+__all__ = ["predictions_from_rule", "replay", "replay_layer_pure", "sweep", "miss_curves", "trace_shape"]

@@ -1,0 +1,278 @@
+"""The compiled replay driver: one layer's tokens through one policy, exactly as `ExpertCache` with an instant link.
+
+What this file is: `run_layer`, the per-layer replay loop in numba, and `run_jobs`, many (layer, capacity)
+replays in parallel (``prange``). `run_layer` reproduces what `sim/replay.py`'s `_replay_layer` makes the
+one cache do, in the same order of policy calls (the parity tests require identical counts):
+  1. prefetch (a predicted set for this token): each predicted expert not yet resident is admitted
+     into the cache protecting the whole set ("on_load"), or held in one of ``buffer`` staging slots
+     ("on_use"); "on_load" stages what the cache refuses; the first expert that finds no slot ends it.
+     An expert admitted twice in one set is reserved once more (a use, and one more transfer).
+  2. the token's distinct experts, in the router's order: staged or cached ones are hits (cached:
+     ``access``), the rest misses, each admitted protecting the whole token (refused: staged);
+  3. the experts compute, hits first: a staged one is released, or ("on_use") admitted protecting the
+     experts not computed yet.
+Counts (``out``): uses and hits of prefill, uses and hits of decode, demand loads, prefetch loads,
+prefetched experts used, prefetched experts not used (all phases), then the last four of prefill alone (each
+counted in the phase of the token that caused it, as the pure cache counts them).
+What it is not: the semantics -- that is `cache.ExpertCache`; this is its replay, pinned by tests.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from fate_lab.sim.fast import classic as c
+from fate_lab.sim.fast import field as f
+
+LRU, LFU, ARC, LRFU, BELADY, S3FIFO, SIEVE, LIRS, LECAR, LEAST_STALE = range(10)
+N_COUNTS = 12
+
+
+@njit(cache=True, _nrt=False)
+def policy_init(code, I, F, S, G, R, E, cap, prm, iprm, seed, uses):
+    """Set up the state of policy `code` with capacity cap."""
+    if code == LRU:
+        c.lru_init(I, S, E, cap)
+    elif code == ARC:
+        c.arc_init(I, S, G, E, cap)
+    elif code == S3FIFO:
+        f.s3_init(I, S, E, cap, iprm[0], iprm[1], iprm[2])
+    elif code == SIEVE:
+        f.sieve_init(I, S, E, cap)
+    elif code == LIRS:
+        f.lirs_init(I, S, E, cap, iprm[0], iprm[1])
+    elif code == LECAR:
+        f.lecar_init(I, S, G, R, E, cap, iprm[0], prm[0], prm[1], prm[2], seed, iprm[7])
+    else:  # the key-ordered ones (least-stale's order changes with time: always the scanned array)
+        c.ranked_init(I, S, cap, cap if code == LEAST_STALE else iprm[7])
+        S[3] = iprm[0]  # keep_history (LFU, LRFU, least-stale)
+        G[0], G[1] = prm[0], prm[1]  # lam, decay (LRFU); alpha (least-stale)
+        if code == LRFU:
+            c.lrfu_init(G, prm[0], prm[1])
+        if code == BELADY:  # next use of every expert from token 0: its first use
+            n = uses.shape[0]
+            I[0, :] = n
+            for t in range(n - 1, -1, -1):
+                for j in range(uses.shape[1]):
+                    I[0, uses[t, j]] = t
+
+
+@njit(cache=True, _nrt=False)
+def policy_admit(code, I, F, S, G, R, E, e, prot):
+    """admit(e, protect) of policy `code`: -1, the victim, or e (not cached)."""
+    if code == LRU:
+        return c.lru_admit(I, S, E, e, prot)
+    if code == LFU:
+        return c.lfu_admit(I, F, S, e, prot)
+    if code == ARC:
+        return c.arc_admit(I, S, G, E, e, prot)
+    if code == LRFU:
+        return c.lrfu_admit(I, F, S, G, e, prot)
+    if code == BELADY:
+        return c.belady_admit(I, F, S, e, prot)
+    if code == S3FIFO:
+        return f.s3_admit(I, S, E, e, prot)
+    if code == SIEVE:
+        return f.sieve_admit(I, S, E, e, prot)
+    if code == LIRS:
+        return f.lirs_admit(I, S, E, e, prot)
+    if code == LECAR:
+        return f.lecar_admit(I, F, S, G, R, E, e, prot)
+    return f.stale_admit(I, F, S, G, e, prot)
+
+
+@njit(cache=True, _nrt=False)
+def policy_access(code, I, F, S, G, E, e):
+    """access(e) of policy `code` (e resident)."""
+    if code == LRU:
+        c.lru_access(I, E, e)
+    elif code == LFU:
+        c.lfu_access(I, F, S, e)
+    elif code == ARC:
+        c.arc_access(I, S, E, e)
+    elif code == LRFU:
+        c.lrfu_access(I, F, S, G, e)
+    elif code == S3FIFO:
+        f.s3_access(I, e)
+    elif code == SIEVE:
+        f.sieve_access(I, e)
+    elif code == LIRS:
+        f.lirs_access(I, S, E, e)
+    elif code == LECAR:
+        f.lecar_access(I, F, S, E, e)
+    elif code == LEAST_STALE:
+        f.stale_access(I, F, S, G, e)
+    # Belady: nothing to record
+
+
+@njit(cache=True)
+def run_layer(uses, phases, poff, pids, has_pred, code, prm, iprm, seed, cap, E, buffer, on_use, nextuse, out):
+    """Replay uses [N, k] of one layer (predicted sets pids[poff[t]:poff[t+1]]); counts into out [12]."""
+    W = E + 8
+    I = np.zeros((12, W), np.int64)
+    F = np.zeros((4, W), np.float64)
+    S = np.zeros(32, np.int64)
+    G = np.zeros(c.POW0 + c.POW_TABLE, np.float64)
+    R = np.zeros(2, np.uint64)
+    policy_init(code, I, F, S, G, R, E, cap, prm, iprm, seed, uses)
+    flags = np.zeros((6, E), np.uint8)
+    lists = np.empty((5, max(E, uses.shape[1])), np.int64)
+    replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use, nextuse, out, I, F, S, G, R,
+                flags, lists)
+
+
+@njit(cache=True, _nrt=False)
+def replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use, nextuse, out, I, F, S, G, R,
+                flags, lists):
+    """The token loop of run_layer (no allocation, so compiled without reference counting)."""
+    N, k = uses.shape
+    res = flags[0]  # cached
+    staged = flags[1]  # in a staging slot
+    pend = flags[2]  # needed by the token, not computed yet (the protect set)
+    inpred = flags[3]  # in this token's predicted set (the prefetch's protect set)
+    pf = flags[4]  # moved by this token's prefetch
+    rnd = flags[5]  # admitted by this token's prefetch
+    need, order, miss, moved, stg = lists[0], lists[1], lists[2], lists[3], lists[4]
+    uses0 = hits0 = uses1 = hits1 = demand = loads = useful = wasted = 0  # the counters, kept in registers
+    d0 = l0 = u0 = w0 = 0  # ... of prefill tokens alone
+    for t in range(N):
+        ph = phases[t]
+        snap_d, snap_l, snap_u, snap_w = demand, loads, useful, wasted
+        if code == BELADY and t > 0:
+            for j in range(k):
+                c.belady_next_use(I, F, S, uses[t - 1, j], nextuse[t - 1, j])
+        nm = 0  # distinct experts moved by the prefetch
+        ns = 0  # ... of them staged
+        if has_pred and poff[t + 1] > poff[t]:
+            a, b = poff[t], poff[t + 1]
+            if not on_use:
+                for j in range(a, b):
+                    inpred[pids[j]] = 1
+            pool = buffer
+            for j in range(a, b):
+                e = pids[j]
+                if staged[e]:
+                    continue
+                if res[e]:
+                    if rnd[e]:  # reserved earlier in this set: reserved again
+                        policy_access(code, I, F, S, G, E, e)
+                        loads += 1
+                    continue
+                if cap > 0 and not on_use:
+                    v = policy_admit(code, I, F, S, G, R, E, e, inpred)
+                    if v != e:
+                        if v >= 0:
+                            res[v] = 0
+                        res[e] = 1
+                        rnd[e] = 1
+                        if not pf[e]:
+                            pf[e] = 1
+                            moved[nm] = e
+                            nm += 1
+                        loads += 1
+                        continue
+                if pool == 0:
+                    break
+                pool -= 1
+                staged[e] = 1
+                stg[ns] = e
+                ns += 1
+                if not pf[e]:
+                    pf[e] = 1
+                    moved[nm] = e
+                    nm += 1
+                loads += 1
+            for j in range(a, b):
+                inpred[pids[j]] = 0
+        n = 0
+        for j in range(k):
+            e = uses[t, j]
+            if not pend[e]:
+                pend[e] = 1
+                need[n] = e
+                n += 1
+        used = 0
+        for i in range(nm):
+            e = moved[i]
+            used += pend[e]
+            pf[e] = 0
+            rnd[e] = 0
+        useful += used
+        wasted += nm - used
+        for i in range(ns):  # staged experts this token does not need leave
+            if not pend[stg[i]]:
+                staged[stg[i]] = 0
+        nh = 0  # hits first, then the misses, each in the router's order
+        nmiss = 0
+        for i in range(n):
+            e = need[i]
+            if staged[e] or res[e]:
+                order[nh] = e
+                nh += 1
+                if res[e]:
+                    policy_access(code, I, F, S, G, E, e)
+            else:
+                miss[nmiss] = e
+                nmiss += 1
+        if ph:
+            uses1 += n
+            hits1 += nh
+        else:
+            uses0 += n
+            hits0 += nh
+        demand += nmiss
+        for i in range(nmiss):
+            e = miss[i]
+            order[nh + i] = e
+            if cap > 0:
+                v = policy_admit(code, I, F, S, G, R, E, e, pend)
+                if v != e:
+                    if v >= 0:
+                        res[v] = 0
+                    res[e] = 1
+                    continue
+            staged[e] = 1
+        for i in range(n):
+            e = order[i]
+            pend[e] = 0
+            if staged[e]:
+                staged[e] = 0
+                if on_use and cap > 0:
+                    v = policy_admit(code, I, F, S, G, R, E, e, pend)
+                    if v != e:
+                        if v >= 0:
+                            res[v] = 0
+                        res[e] = 1
+        if not ph:
+            d0 += demand - snap_d
+            l0 += loads - snap_l
+            u0 += useful - snap_u
+            w0 += wasted - snap_w
+    out[0], out[1], out[2], out[3] = uses0, hits0, uses1, hits1
+    out[4], out[5], out[6], out[7] = demand, loads, useful, wasted
+    out[8], out[9], out[10], out[11] = d0, l0, u0, w0
+
+
+@njit(cache=True, parallel=True)
+def run_jobs(uses, phases, poff, pids, has_pred, code, prm, iprm, seeds, layers, caps, E, buffer, on_use, nextuse, out):
+    """Replay job j = (layer layers[j], capacity caps[j]) for every j, in parallel; counts into out [J, 12]."""
+    for j in prange(layers.shape[0]):
+        l = layers[j]
+        run_layer(uses[l], phases, poff[l], pids, has_pred, code, prm[j], iprm[j], seeds[j], caps[j], E, buffer,
+                  on_use, nextuse[l], out[j])
+
+
+@njit(cache=True, parallel=True)
+def next_uses(uses):
+    """next[l, t, j]: the next token after t whose layer l uses uses[l, t, j] (N if none)."""
+    L, N, k = uses.shape
+    out = np.empty((L, N, k), np.int32)
+    E = uses.max() + 1 if uses.size else 1
+    for l in prange(L):
+        seen = np.full(E, N, np.int32)
+        for t in range(N - 1, -1, -1):
+            for j in range(k):
+                out[l, t, j] = seen[uses[l, t, j]]
+            for j in range(k):
+                seen[uses[l, t, j]] = t
+    return out

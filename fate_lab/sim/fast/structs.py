@@ -1,0 +1,183 @@
+"""Compiled building blocks of the fast replay: intrusive linked lists, an indexed heap, SplitMix64.
+
+What this file is: numba functions over plain int64/float64 arrays of size about E (the experts of
+one layer), which the policy kernels (`classic.py`, `field.py`) combine. Nodes are expert ids
+``0..E-1``; a list's sentinel is an index ``>= E`` of the same next/previous rows, so several
+lists whose members are disjoint share one pair of rows. The heap keeps ids ordered by the pair
+``(F[K1, e], I[K2, e])`` (float, int; smallest first) with ``I[POS, e]`` its index or -1.
+Every kernel of this package that allocates nothing is compiled with ``_nrt=False`` (numba's
+reference-counting runtime off): they only index the arrays they are handed, and the reference
+counts numba adds to each call otherwise cost 5-10x the work itself (a heap update: 86 ns -> 15 ns).
+The building blocks and the policy functions are also inlined (``inline="always"``) into the
+driver's three dispatchers, so one admit or access is one call.
+What it is not: a policy; nothing here knows about caches.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, uint64
+
+# The functions index the state arrays in place (``A[row, i]``) rather than taking row views.
+
+# --- linked lists in rows (rn: next, rp: previous) of A; the head (A[rn, s]) is the oldest member ----------
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ll_reset(A, rn, rp, s):
+    """Make the list with sentinel s empty."""
+    A[rn, s] = s
+    A[rp, s] = s
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ll_append(A, rn, rp, s, x):
+    """Append x at the new end of list s."""
+    p = A[rp, s]
+    A[rn, p] = x
+    A[rp, x] = p
+    A[rn, x] = s
+    A[rp, s] = x
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ll_unlink(A, rn, rp, x):
+    """Take x out of whatever list it is in."""
+    p = A[rp, x]
+    n = A[rn, x]
+    A[rn, p] = n
+    A[rp, n] = p
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ll_first_unprotected(A, rn, s, prot):
+    """The oldest member of list s not in prot, or -1."""
+    x = A[rn, s]
+    while x != s and prot[x]:
+        x = A[rn, x]
+    return -1 if x == s else x
+
+
+# --- indexed binary min-heap: ids I[HEAP, :n], positions I[POS] (-1: absent), keys (F[K1], I[K2]) ---------
+
+HEAP, POS, K2, STACK = 8, 9, 10, 11  # rows of I (STACK: scratch of heap_min_unprotected)
+K1 = 3  # row of F
+
+
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def heap_up(I, F, i):
+    """Sift the entry at index i towards the root."""
+    x = I[HEAP, i]
+    a1, a2 = F[K1, x], I[K2, x]
+    while i > 0:
+        p = (i - 1) >> 1
+        y = I[HEAP, p]
+        b1 = F[K1, y]
+        if not (a1 < b1 or (a1 == b1 and a2 < I[K2, y])):
+            break
+        I[HEAP, i] = y
+        I[POS, y] = i
+        i = p
+    I[HEAP, i] = x
+    I[POS, x] = i
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def heap_down(I, F, n, i):
+    """Sift the entry at index i towards the leaves of a heap of n entries."""
+    x = I[HEAP, i]
+    a1, a2 = F[K1, x], I[K2, x]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        y = I[HEAP, c]
+        if c + 1 < n:
+            z = I[HEAP, c + 1]
+            if F[K1, z] < F[K1, y] or (F[K1, z] == F[K1, y] and I[K2, z] < I[K2, y]):
+                c += 1
+                y = z
+        b1 = F[K1, y]
+        if not (b1 < a1 or (b1 == a1 and I[K2, y] < a2)):
+            break
+        I[HEAP, i] = y
+        I[POS, y] = i
+        i = c
+    I[HEAP, i] = x
+    I[POS, x] = i
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def heap_push(I, F, n, x):
+    """Insert x (its keys set); returns the new size."""
+    I[HEAP, n] = x
+    I[POS, x] = n
+    heap_up(I, F, n)
+    return n + 1
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def heap_remove(I, F, n, x):
+    """Remove x; returns the new size."""
+    i = I[POS, x]
+    I[POS, x] = -1
+    n -= 1
+    if i < n:
+        last = I[HEAP, n]
+        I[HEAP, i] = last
+        I[POS, last] = i
+        heap_up(I, F, i)
+        heap_down(I, F, n, I[POS, last])
+    return n
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def heap_update(I, F, n, x):
+    """Restore the order after x's keys changed."""
+    heap_up(I, F, I[POS, x])
+    heap_down(I, F, n, I[POS, x])
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def heap_min_unprotected(I, F, n, prot):
+    """The smallest entry not in prot, or -1: only the subtrees under protected entries are searched."""
+    if n == 0:
+        return -1
+    best = -1
+    I[STACK, 0] = 0
+    top = 1
+    while top > 0:
+        top -= 1
+        i = I[STACK, top]
+        x = I[HEAP, i]
+        if not prot[x]:
+            if best == -1 or F[K1, x] < F[K1, best] or (F[K1, x] == F[K1, best] and I[K2, x] < I[K2, best]):
+                best = x
+            continue
+        c = 2 * i + 1
+        if c < n:
+            I[STACK, top] = c
+            top += 1
+            if c + 1 < n:
+                I[STACK, top] = c + 1
+                top += 1
+    return best
+
+
+# --- SplitMix64 (same stream as replacement_field.splitmix64) ---------------------------------------
+
+_GOLDEN = uint64(0x9E3779B97F4A7C15)
+_MUL1 = uint64(0xBF58476D1CE4E5B9)
+_MUL2 = uint64(0x94D049BB133111EB)
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def splitmix_uniform(rng):
+    """Advance rng[0] and return a uniform float in [0, 1)."""
+    s = rng[0] + _GOLDEN
+    rng[0] = s
+    z = (s ^ (s >> uint64(30))) * _MUL1
+    z = (z ^ (z >> uint64(27))) * _MUL2
+    z = z ^ (z >> uint64(31))
+    return np.float64(z >> uint64(11)) * (1.0 / 9007199254740992.0)
