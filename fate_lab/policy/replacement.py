@@ -226,21 +226,23 @@ class ARC(ReplacementPolicy):
         victim = None
         if e in self.b1:  # case II: recency was under-provisioned
             delta = max(len(self.b2) / len(self.b1), 1.0)
+            p0, self.p = self.p, min(float(c), self.p + delta)  # the paper adapts p before REPLACE
             if full:
                 victim = self._replace(False, protect)
                 if victim is None:
+                    self.p = p0  # nothing admitted: nothing changes
                     return e
-            self.p = min(float(c), self.p + delta)
             del self.b1[e]
             self.t2[e] = None
             return victim
         if e in self.b2:  # case III: frequency was under-provisioned
             delta = max(len(self.b1) / len(self.b2), 1.0)
+            p0, self.p = self.p, max(0.0, self.p - delta)
             if full:
                 victim = self._replace(True, protect)
                 if victim is None:
+                    self.p = p0
                     return e
-            self.p = max(0.0, self.p - delta)
             del self.b2[e]
             self.t2[e] = None
             return victim

@@ -46,19 +46,19 @@ def test_lfu_keep_history_changes_the_victim():
 
 
 def test_arc_steps():
+    """Megiddo & Modha (2003), Fig. 4, by hand: a ghost hit adapts p first, then REPLACE(x, p) runs."""
     a = ARC(2)
     assert a.admit(1) is None and a.admit(2) is None
     a.access(1)  # T1=[2], T2=[1]
     assert (list(a.t1), list(a.t2)) == ([2], [1])
-    assert a.admit(3) == 2  # |T1|=1 > p=0: T1's LRU goes to B1
+    assert a.admit(3) == 2  # case IV, |T1|=1 > p=0: T1's LRU goes to B1
     assert (list(a.t1), list(a.t2), list(a.b1), a.p) == ([3], [1], [2], 0)
-    assert a.admit(2) == 3  # ghost hit in B1: p -> 1, 2 enters T2, T1's LRU (3) goes to B1
-    assert (list(a.t1), list(a.t2), list(a.b1), list(a.b2), a.p) == ([], [1, 2], [3], [], 1)
-    assert a.admit(4) == 1  # T1 empty: T2's LRU goes to B2
-    assert (list(a.t1), list(a.t2), list(a.b1), list(a.b2)) == ([4], [2], [3], [1])
-    assert a.admit(1) == 4  # ghost hit in B2: p -> 0; |T1| == p (1) and x in B2 -> T1's LRU goes
-    assert (list(a.t1), list(a.t2), list(a.b1), list(a.b2), a.p) == ([], [2, 1], [3, 4], [], 0)
-    assert a.resident() == [2, 1]
+    assert a.admit(2) == 1  # ghost hit in B1: p -> 1 first; |T1| = 1 is not > p, so T2's LRU (1) goes to B2
+    assert (list(a.t1), list(a.t2), list(a.b1), list(a.b2), a.p) == ([3], [2], [], [1], 1)
+    assert a.admit(4) == 2  # case IV: |T1| = p, x not in B2: T2's LRU goes to B2
+    assert (list(a.t1), list(a.t2), list(a.b1), list(a.b2)) == ([3, 4], [], [], [1, 2])
+    assert a.admit(1) == 3  # ghost hit in B2: p -> 0 first; |T1| = 2 > 0: T1's LRU goes to B1
+    assert (list(a.t1), list(a.t2), list(a.b1), list(a.b2), a.p) == ([4], [1], [3], [2], 0)
 
 
 def test_arc_capacity_one_drops_without_ghost():

@@ -280,11 +280,13 @@ def arc_admit(I, S, G, E, e, prot):
     v = -1
     if where == 3 or where == 4:  # ghost hit: B1 (recency short) or B2 (frequency short)
         delta = max(float(b2) / float(b1), 1.0) if where == 3 else max(float(b1) / float(b2), 1.0)
+        p0 = G[0]
+        G[0] = min(float(c), G[0] + delta) if where == 3 else max(0.0, G[0] - delta)  # before REPLACE, as the paper
         if full:
             v = arc_replace(I, S, G, E, where == 4, prot)
             if v < 0:
+                G[0] = p0
                 return e
-        G[0] = min(float(c), G[0] + delta) if where == 3 else max(0.0, G[0] - delta)
         arc_put(I, S, E, e, 2)
         return v
     l1 = t1 + b1
