@@ -58,6 +58,13 @@ class ExpertLayout:
         """Name of the up (or gate-and-up) projection tensor."""
         return "gate_up_proj" if self.has_gate else "up_proj"
 
+    def tensor_names(self) -> dict[str, str]:
+        """{ExpertWeights field: the experts module's tensor name}, e.g. gate_up -> up_proj without a gate."""
+        names = {"gate_up": self.up_name, "down": "down_proj"}
+        if self.has_bias:
+            names.update(gate_up_bias=f"{self.up_name}_bias", down_bias="down_proj_bias")
+        return names
+
     @property
     def rows(self) -> int:
         """R: rows of one expert's canonical up projection."""
