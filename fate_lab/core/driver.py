@@ -110,9 +110,10 @@ class DriverCore:
         self.slot_specs, self.slot_bytes, scratch = slot_sizing(self.quant, M, es, shape.dtype, shape.nbytes(None))
         self.standin_bytes = 0
         if config.lossy == "standin":
-            if shape.hidden % STANDIN_SPEC.group_size or shape.intermediate % STANDIN_SPEC.group_size:
+            if shape.expert_width % STANDIN_SPEC.group_size or shape.intermediate % STANDIN_SPEC.group_size:
                 raise ValueError(f"lossy='standin' keeps INT2 copies with group size {STANDIN_SPEC.group_size}, which "
-                                 f"must divide the hidden size {shape.hidden} and the expert width {shape.intermediate}")
+                                 f"must divide the hidden size {shape.expert_width} and the expert width "
+                                 f"{shape.intermediate}")
             biases = {n: v for n, v in es.items() if n.endswith("_bias")}
             self.standin_bytes = standin_pool_bytes(M, E, es["gate_up"], es["down"], biases, shape.dtype)
         # 2. the memory plan (the resident INT2 copies come off the cache budget)

@@ -42,6 +42,8 @@ class ModelShape:
     source: str = ""
     gated: bool = True  # the up projection holds gate and up rows (2I); False: I rows, a plain activation
     expert_bias: bool = False  # each expert has an up bias (R,) and a down bias (H,) (gpt-oss)
+    expert_hidden: int | None = None  # the experts' own width where the block projects into a smaller space
+    # before them (MuseSpark); None: hidden
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_moe_layers", "num_experts", "top_k", "hidden", "intermediate"):
@@ -61,6 +63,9 @@ class ModelShape:
         for name in ("gated", "expert_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelShape.{name}={getattr(self, name)!r}: give True or False")
+        eh = self.expert_hidden
+        if eh is not None and (isinstance(eh, bool) or not isinstance(eh, int) or eh <= 0):
+            raise ValueError(f"ModelShape.expert_hidden={eh!r}: give an int > 0, or None for hidden")
 
     @classmethod
     def from_adapter(cls, adapter) -> "ModelShape":
@@ -69,7 +74,8 @@ class ModelShape:
         return cls(adapter.num_layers, adapter.num_moe_layers, adapter.num_experts, adapter.top_k,
                    adapter.hidden_size, adapter.expert_intermediate_size, layout.dtype, adapter.dense_bytes(),
                    adapter.kv_bytes_per_token(), adapter.router_spec.scoring, model_source(adapter.model),
-                   gated=layout.has_gate, expert_bias=layout.has_bias)
+                   gated=layout.has_gate, expert_bias=layout.has_bias,
+                   expert_hidden=None if layout.hidden_size == adapter.hidden_size else layout.hidden_size)
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype | None = None) -> "ModelShape":
@@ -84,11 +90,16 @@ class ModelShape:
     def expert_shapes(self) -> dict[str, tuple[int, ...]]:
         """One expert's tensors in the canonical layout: gate_up (R, H), down (H, I), and with biases
         gate_up_bias (R,) and down_bias (H,) (R = 2I with a gate, I without)."""
-        rows = 2 * self.intermediate if self.gated else self.intermediate
-        out: dict[str, tuple[int, ...]] = {"gate_up": (rows, self.hidden), "down": (self.hidden, self.intermediate)}
+        rows, h = 2 * self.intermediate if self.gated else self.intermediate, self.expert_width
+        out: dict[str, tuple[int, ...]] = {"gate_up": (rows, h), "down": (h, self.intermediate)}
         if self.expert_bias:
-            out.update(gate_up_bias=(rows,), down_bias=(self.hidden,))
+            out.update(gate_up_bias=(rows,), down_bias=(h,))
         return out
+
+    @property
+    def expert_width(self) -> int:
+        """H as the experts see it: `expert_hidden` where set, else `hidden`."""
+        return self.expert_hidden or self.hidden
 
     def nbytes(self, spec: QuantSpec | None = None) -> int:
         """Bytes of one expert travelling at spec (None: full precision); biases always at full precision."""
@@ -97,5 +108,5 @@ class ModelShape:
     def expert_flops(self) -> float:
         """FLOPs of one routed expert on one token (up or gate-and-up, then down)."""
         rows = 2 * self.intermediate if self.gated else self.intermediate
-        return 2.0 * (rows * self.hidden + self.hidden * self.intermediate)
+        return 2.0 * (rows + self.intermediate) * self.expert_width
 

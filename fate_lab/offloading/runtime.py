@@ -139,7 +139,9 @@ class Runtime:
         for m, e, slot in core.preload():
             self.engine.load_now(m, e, slot, core.spec(m, "cache"), timed=False)
         self._prev_impl = hookup.attach(self.adapter, self)
-        self._hooks = [model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+        self._gate_inputs: dict[int, torch.Tensor] = {}  # this forward's gate input per MoE layer (router input)
+        self._hooks = [self.adapter.gate_input_hook(m, self._gate_inputs.__setitem__) for m in range(M)]
+        self._hooks += [model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                        model.register_forward_hook(self._post_forward, always_call=True)]
 
     # --- what the rest of the suite reads ----------------------------------------------
@@ -232,7 +234,7 @@ class Runtime:
 
         try:
             order = self.core.run_layer(LayerCall(
-                m, call.idx_host, call.compute, gate_input=hidden_states, timed=timed,
+                m, call.idx_host, call.compute, gate_input=self._gate_inputs.pop(m, hidden_states), timed=timed,
                 weights=top_k_weights.detach().to("cpu") if self.core.miss_policy is not None else None))
         except (TransferError, CheckpointError):  # the link or the checkpoint is gone: give the caller its model
             self.close()  # back, then fail loudly
