@@ -91,6 +91,16 @@ class Taken:
     on_host: bool  # True: they still hold their bytes (host memory); False: their device storage was freed
 
 
+def experts_state(adapter: MoEAdapter) -> str:
+    """"present" (every routed-expert tensor holds its bytes), "meta" (shapes only, e.g. `load_without_experts`)
+    or "empty" (taken by a runtime and not given back)."""
+    tensors = [t for m in range(adapter.num_moe_layers)
+               for t in adapter.experts_module(m).parameters(recurse=False)]
+    if any(t.numel() == 0 for t in tensors):
+        return "empty"
+    return "meta" if any(t.is_meta for t in tensors) else "present"
+
+
 def free_fused_experts(adapter: MoEAdapter, device: torch.device) -> Taken:
     """Replace every routed-expert tensor of the experts modules (weights and biases) by an empty one: the device
     keeps no routed expert.

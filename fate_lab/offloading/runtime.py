@@ -60,11 +60,13 @@ class Runtime:
         self.adapter: MoEAdapter = adapt(model)
         a = self.adapter
         hookup.check_servable(a)
-        self.experts_in_memory = not any(t.is_meta for t in a.expert(0, 0).tensors().values())
-        if not self.experts_in_memory and index is None:
-            raise ValueError(f"{a.family}: this model's experts are on the meta device (no bytes; a runtime opened "
-                             "with load_offloaded was closed, or the model was built without weights): open it "
-                             "again with fate_lab.load_offloaded(path, config)")
+        state = hookup.experts_state(a)
+        if state == "empty" or (state == "meta" and index is None):
+            raise ValueError(f"{a.family}: this model's experts are {'empty' if state == 'empty' else 'on the meta device'}"
+                             " (no bytes: a Runtime opened with load_offloaded was closed, one was closed with "
+                             "restore=False, or the model was built without weights): open it again with "
+                             "fate_lab.load_offloaded(path, config), or load it again with load_model")
+        self.experts_in_memory = state == "present"
         self.device = _device_of(model, a)
         self.dtype = a.layouts[0].dtype
         self._check_setup(config)

@@ -260,7 +260,8 @@ def check_trace(trace: Trace, config: OffloadConfig, shape: ModelShape, router=N
                          "(record_trace keeps them)")
     if not needs_router(config):
         return None
-    if trace.gate_inputs is None or (trace.router_weights is None and router is None):
+    if trace.gate_inputs is None or (trace.router_weights is None and router is None
+                                     and trace.meta.get("router_linear") is not False):
         raise ValueError("the cross-layer gate predictor and score-reading replacement policies need a trace with "
                          "gate inputs and router weights (record it with record_trace); routing-only traces support "
                          "predictor=None or 'activation_path'")
