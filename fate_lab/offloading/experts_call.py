@@ -92,8 +92,12 @@ class ExpertsCall:
         weights = rt.store.fetch(m, e)  # host tensors, canonical
         tok, x, w = self._rows(e)
         n = 1 if tok is None else tok.numel()
-        y = expert_apply(self.module, x.to("cpu", weights.gate_up.dtype), weights)  # (n, H) on the host
-        self._weigh(e, tok, y.to(self.x.device), w)  # back to the device
+        norm_here = not self.layout.has_post_expert_norm or rt.device.type == "cpu"
+        y = expert_apply(self.module, x.to("cpu", weights.gate_up.dtype), weights, post_norm=norm_here)  # (n, H)
+        y = y.to(self.x.device)  # back to the device
+        if not norm_here:
+            y = self.module.post_expert_norm(y)  # (n, H) its weights live on the device
+        self._weigh(e, tok, y, w)
         if rt.device.type == "cpu":
             hold = t0 + rt.core.host_time(n) - time.perf_counter()
             if hold > 0:

@@ -5,7 +5,15 @@ every driver builds through the driver core (`core/driver.py`: the plan, the slo
 policy, the cache, the predictor, the miss rule, the placement, the stats), adds the mechanisms that move
 real bytes (`mechanisms.py`: host store, device slots, link engine; `engine_link.py`: the cache's link over
 the engine), plugs into transformers' experts registry (`hookup.py`), and runs each experts call of MoE
-layer m as one layer step with real expert math (`experts_call.py`).
+layer m as one layer step with real expert math (`experts_call.py`). It serves every experts layout the
+model side serves (`model.experts.expert_refusal` says why not, at offload time). The predictor reads the
+model's own routers on the host (`MoEAdapter.host_routers()`), fed each layer's gate input as its router
+received it. A model whose experts were never loaded (`load.load_offloaded`) comes with its checkpoint's
+`ExpertIndex`, and its experts are served from the files only.
+
+Giving the model back (`close`): on a CPU, the very tensors taken; on an accelerator, the caller's own
+Parameters refilled from the RAM store's host copy (never from a file: store="ssd" is refused for a model
+whose experts sit in accelerator memory); after `load_offloaded`, nothing (no copy ever existed).
 
 Quantized experts (`OffloadConfig.quant`, a `QuantPolicy` preset): the store keeps the packed copies the
 policy needs; each transfer travels at the precision of its reason ("miss", "prefetch", "prefill_low" for

@@ -155,15 +155,25 @@ CORE_CONFIGS = [("fate", {}), ("fate_quant", {}), ("host_compute", {}), ("static
                 ("drop_low", {}), ("lru", {"replacement": "lrfu"}), ("fate", {"allocation": "uniform"})]
 
 
+# qwen2_moe: gated experts without biases; gpt_oss: biases beside every expert (full precision in packed slots,
+# counted alike by ModelShape, core/sizing.py and the slots); nemotron_h: up_proj only (I rows, no gate)
+BUILD_FAMILIES = {"qwen2_moe": {"moe_intermediate_size": 64}, "gpt_oss": {"intermediate_size": 64},
+                  "nemotron_h": {"moe_intermediate_size": 64}}  # INT4/INT2 groups of 64 fit their experts
+
+
+@pytest.mark.parametrize("family", list(BUILD_FAMILIES))
 @pytest.mark.parametrize("name,over", CORE_CONFIGS, ids=[n + "".join(f"-{v}" for v in o.values()) for n, o in CORE_CONFIGS])
-def test_runtime_and_simulator_are_built_by_one_code_path(name, over, tiny_models):
+def test_runtime_and_simulator_are_built_by_one_code_path(name, over, family, tiny_models):
     """One config, one shape, one link: the runtime and the simulator describe the same build (plan, slots per
-    layer, pools, slot bytes, precision policy, predictor and rule, miss rule, placement, host time, link)."""
-    model = tiny_models("qwen2_moe", seed=3, moe_intermediate_size=64)  # INT4/INT2 groups of 64 fit its experts
+    layer, pools, slot bytes, precision policy, predictor and rule, miss rule, placement, host time, link), and the
+    runtime's slots hold exactly the bytes the plan counted."""
+    model = tiny_models(family, seed=3, **BUILD_FAMILIES[family])
     shape = ModelShape.from_adapter(adapt(model))
     cfg = OffloadConfig.preset(name, slots=6, link="qwen15_moe_rtx3090_pcie3", layer_compute_s=1e-3, **over)
     with offload(model, cfg) as rt:
         built_rt = rt.core.describe()
+        per_slot = rt.slots.slot_bytes if rt.packed_slots is not None else rt.slots.fp_nbytes()
+        assert per_slot == rt.core.slot_bytes and rt.expert_bytes == adapt(model).bytes_per_expert()
     sim = Simulator(cfg, Hardware.scaled("qwen15_moe_rtx3090_pcie3", layer_s=1e-3,
                                          compute=COMPUTE_PROFILES["qwen15_moe_rtx3090"]), shape)
     built_sim = sim.core.describe()
