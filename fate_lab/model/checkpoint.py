@@ -128,7 +128,7 @@ class ExpertIndex:
     @classmethod
     def build(cls, model: nn.Module, folder: str | Path) -> ExpertIndex:
         """Index folder's keys for model (its meta or real instance) through transformers' loading rules."""
-        from transformers.core_model_loading import rename_source_key
+        from transformers.core_model_loading import dot_natural_key, rename_source_key
 
         folder = Path(folder)
         renamings, converters = _transforms(model)
@@ -137,8 +137,12 @@ class ExpertIndex:
         experts: dict[tuple[int, str], _Source] = {}
         dense: dict[str, _Source] = {}
         refusals: list[str] = []
-        for key, file in checkpoint_files(folder).items():
+        files = checkpoint_files(folder)
+        for key in sorted(files, key=dot_natural_key):  # from_pretrained's order (guarded renamings depend on it)
+            file = files[key]
             target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
+            if target not in meta_sd and key in meta_sd:  # as from_pretrained: a key the model already names stays
+                target, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_sd)
             conv = None if pattern is None else next(c for c in converters if pattern in c.source_patterns)
             mod_path, _, name = target.rpartition(".")
             if mod_path not in names:

@@ -186,11 +186,11 @@ class SafetensorsStore(HostStore):
             raise CheckpointError(f"cannot read expert {e} of MoE layer {m} from {self._where(m, e)}: {exc!r}; "
                                   "the checkpoint changed or vanished while offloaded") from exc
         if expert_digest(w) != self.digests[m][e]:
+            bad = nonfinite(w)
             raise CheckpointError(
                 f"expert {e} of MoE layer {m} read from {self._where(m, e)} is not the expert verified at offload "
-                f"(its digest changed{'; ' + nonfinite(w) if nonfinite(w) else ''}): the checkpoint was edited, "
-                "swapped or corrupted while offloaded; fate_lab refuses to compute with it. Offload again from an "
-                "unchanged checkpoint")
+                f"(its digest changed{'; ' + bad if bad else ''}): the checkpoint was edited, swapped or corrupted "
+                "while offloaded; fate_lab refuses to compute with it. Offload again from an unchanged checkpoint")
         return w
 
     def _where(self, m: int, e: int) -> str:

@@ -3,8 +3,10 @@
 What this file is: `check_family(family)` offloads a tiny random model of one family (`model.testing.tiny_model`)
 under several presets and compares it with the plain model -- greedy tokens exactly, logits within float
 tolerance (the plain model's default experts kernel sums in another order) -- on the instant link and on an
-emulated link, with a quarter of the experts cached so that misses, prefetches and evictions happen; a batch
-of two left-padded prompts against the plain model's batch; and the per-layer cache counters of every run. A
+emulated link, with a quarter of the experts cached so that misses, prefetches and evictions happen; the
+family's own checkpoint (save_pretrained) opened with `load_offloaded`, its experts read from the files by the
+SSD tier; a batch of two left-padded prompts against the plain model's batch; and the per-layer cache counters
+of every run. A
 text tower (no causal-LM class) is checked forward only. `support_table()` runs it over every modeling module
 `model.families` lists, and `support_markdown(rows)` writes the table `scripts/family_table.py` puts in
 `docs/families.md`; `tests/offloading/test_families_runtime.py` asserts on the same rows.
@@ -12,12 +14,14 @@ What it is not: a benchmark (tiny models, no timing) or a quality measure (lossl
 """
 from __future__ import annotations
 
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from fate_lab.core.config import OffloadConfig
+from fate_lab.offloading.load import load_offloaded
 from fate_lab.offloading.runtime import offload
 
 # (preset, overrides): what every family runs. host_compute on the instant link never finds the host cheaper
@@ -119,6 +123,15 @@ def _check_causal(model, ref: tuple, passed: list[str]) -> float:
             _check_stats(rt, what)
         worst = max(worst, _compare(what, ref, got))
         passed.append(what)
+    with tempfile.TemporaryDirectory() as tmp:  # the SSD tier over the family's own on-disk layout, no copy in RAM
+        model.save_pretrained(tmp)
+        opened, _, rt = load_offloaded(tmp, OffloadConfig.preset("fate", link="instant", store="ssd",
+                                                                 slots=_slots(model)))
+        got = _greedy(opened, ids)
+        _check_stats(rt, "load_offloaded")
+        rt.close()
+    worst = max(worst, _compare("load_offloaded (ssd)@instant", ref, got))
+    passed.append("load_offloaded@instant")
     batch, mask = _batch(model.config.vocab_size)
     ref = _greedy(model, batch, mask)
     with offload(model, OffloadConfig.preset("fate", link="instant", slots=_slots(model))) as rt:
@@ -215,7 +228,9 @@ def support_markdown(rows: list[FamilySupport], command: str) -> str:
         "",
         f"Every modeling module of the installed transformers whose experts use its experts interface: a tiny "
         f"random model of each (hidden 64, 2-4 layers, 8 experts), offloaded with a quarter of its experts cached "
-        f"under {runs}, then a left-padded batch of two under `fate`; greedy tokens must equal the plain model's "
+        f"under {runs}; its own checkpoint (save_pretrained) opened with `load_offloaded` (experts read from the "
+        "files by the SSD tier, `fate`); then a left-padded batch of two under `fate`; greedy tokens must equal "
+        "the plain model's "
         f"and logits agree within {RTOL:g} (the plain model's default kernel sums in another order), and every "
         "MoE layer's cache counters add up. A text tower (no causal-LM class) runs forward only.",
         "",

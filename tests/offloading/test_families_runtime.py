@@ -1,7 +1,8 @@
 """The generated support table, as a test: every experts-interface family the model side builds is offloaded
 exactly -- greedy tokens equal and logits within float tolerance of the plain model, under lru, fate,
 host_compute and all_host on the instant link and fate on an emulated link, a left-padded batch of two, per-layer
-cache counters that add up -- or refused with a reason; none gives wrong output (`offloading/support.py`, the
+cache counters that add up, its own checkpoint opened with load_offloaded (the SSD tier reading its on-disk
+layout) -- or refused with a reason; none gives wrong output (`offloading/support.py`, the
 same run `scripts/family_table.py` writes to docs/families.md). Also: a refused layout leaves the model
 untouched, and a transposed family's quantized runtime computes what the quantized model copy computes."""
 from __future__ import annotations
@@ -33,7 +34,7 @@ def test_every_family_is_exact_or_refused_never_wrong(module):
         assert row.verdict in ("exact", "refused"), f"{module}: {row.verdict}: {row.reason}"
     if row.verdict == "exact":
         expected = ["lru@instant", "fate@instant", "host_compute@instant", "all_host@instant", "fate@test_fast",
-                    "batch2"] if row.kind == "causal" else ["lru@instant (forward)", "fate@instant (forward)"]
+                    "load_offloaded@instant", "batch2"] if row.kind == "causal" else ["lru@instant (forward)", "fate@instant (forward)"]
         assert list(row.runs) == expected
 
 
