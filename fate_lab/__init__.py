@@ -23,6 +23,7 @@ _EXPORTS = {
     "from_routing_array": "fate_lab.model.trace",
     "offload": "fate_lab.offloading.runtime",
     "Runtime": "fate_lab.offloading.runtime",
+    "load_offloaded": "fate_lab.offloading.load",
     "OffloadConfig": "fate_lab.core.config",
     "ModelShape": "fate_lab.core.shape",
     "RunStats": "fate_lab.policy.stats",

@@ -107,14 +107,15 @@ class DriverCore:
             for m in range(M):
                 for s in self.quant.host_specs(m):
                     self._check_quantizable(s)
-        self.slot_specs, self.slot_bytes, scratch = slot_sizing(self.quant, M, es["gate_up"], es["down"], shape.dtype,
-                                                                shape.nbytes(None))
+        self.slot_specs, self.slot_bytes, scratch = slot_sizing(self.quant, M, es, shape.dtype, shape.nbytes(None))
         self.standin_bytes = 0
         if config.lossy == "standin":
-            if shape.hidden % STANDIN_SPEC.group_size or shape.intermediate % STANDIN_SPEC.group_size:
+            if shape.expert_width % STANDIN_SPEC.group_size or shape.intermediate % STANDIN_SPEC.group_size:
                 raise ValueError(f"lossy='standin' keeps INT2 copies with group size {STANDIN_SPEC.group_size}, which "
-                                 f"must divide the hidden size {shape.hidden} and the expert width {shape.intermediate}")
-            self.standin_bytes = standin_pool_bytes(M, E, es["gate_up"], es["down"])
+                                 f"must divide the hidden size {shape.expert_width} and the expert width "
+                                 f"{shape.intermediate}")
+            biases = {n: v for n, v in es.items() if n.endswith("_bias")}
+            self.standin_bytes = standin_pool_bytes(M, E, es["gate_up"], es["down"], biases, shape.dtype)
         # 2. the memory plan (the resident INT2 copies come off the cache budget)
         self.plan, self.slots_per_layer, self.prefetch_buffers = plan_offload(
             config, num_layers=M, num_experts=E, top_k=K, slot_expert_bytes=self.slot_bytes,

@@ -20,7 +20,7 @@ Letters: T tokens, E routed experts, k experts per token, H hidden size, I exper
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from torch import nn
@@ -36,6 +36,8 @@ from fate_lab.model.experts import (
 )
 from fate_lab.model.routers import (
     HostRouter,
+    HostRouters,
+    MissingRouterInput,
     RouterFit,
     RouterSite,
     RouterSpec,
@@ -212,6 +214,19 @@ class MoEAdapter:
     def host_router(self, m: int) -> HostRouter:
         """An exact CPU copy of layer m's router (module class, weights and bound block tensors)."""
         return HostRouter(self._sites[m], self.fit(m))
+
+    def host_routers(self) -> HostRouters:
+        """Every MoE layer's router on the host (`routers.HostRouters`): Fate's prediction for layer m + 1 is
+        `scores(m + 1, gate input of layer m)`. A router that cannot be probed without an input the gate input
+        cannot supply (hash routing on token ids) gets the model's router spec, marked neither exact nor linear."""
+        out = []
+        for m, site in enumerate(self._sites):
+            try:
+                fit = self.fit(m)
+            except MissingRouterInput:
+                fit = RouterFit(replace(self.router_spec, exact=False, linear=False), None, self.router_spec.scoring)
+            out.append(HostRouter(site, fit))
+        return HostRouters(out)
 
     def gate_input_hook(self, m: int, fn: Callable[[int, torch.Tensor], None]):
         """Call fn(m, gate_input [T, H]) before router m runs; returns the removable handle."""

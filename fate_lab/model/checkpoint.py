@@ -120,11 +120,15 @@ class ExpertIndex:
         self.refusals = refusals  # what this checkpoint holds that fate_lab cannot read (empty: all readable)
         modules = dict(model.named_modules())
         self._modules = {m: modules[n] for n, m in _experts_names(model).items()}
+        # read off now, while the modules hold their tensors (a runtime empties them later)
+        self._layouts = {m: layout_of(mod) for m, mod in self._modules.items()}
+        self._dtypes = {m: {n: t.dtype for n, t in mod.named_parameters(recurse=False)}
+                        for m, mod in self._modules.items()}
 
     @classmethod
     def build(cls, model: nn.Module, folder: str | Path) -> ExpertIndex:
         """Index folder's keys for model (its meta or real instance) through transformers' loading rules."""
-        from transformers.core_model_loading import rename_source_key
+        from transformers.core_model_loading import dot_natural_key, rename_source_key
 
         folder = Path(folder)
         renamings, converters = _transforms(model)
@@ -133,8 +137,12 @@ class ExpertIndex:
         experts: dict[tuple[int, str], _Source] = {}
         dense: dict[str, _Source] = {}
         refusals: list[str] = []
-        for key, file in checkpoint_files(folder).items():
+        files = checkpoint_files(folder)
+        for key in sorted(files, key=dot_natural_key):  # from_pretrained's order (guarded renamings depend on it)
+            file = files[key]
             target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
+            if target not in meta_sd and key in meta_sd:  # as from_pretrained: a key the model already names stays
+                target, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_sd)
             conv = None if pattern is None else next(c for c in converters if pattern in c.source_patterns)
             mod_path, _, name = target.rpartition(".")
             if mod_path not in names:
@@ -207,10 +215,11 @@ class ExpertIndex:
         reason = self.refusal()
         if reason is not None:
             raise NotImplementedError(reason)
-        mod = self._modules[m]
-        layout = layout_of(mod)
+        layout = self._layouts[m]
+        if not 0 <= e < layout.num_experts:
+            raise IndexError(f"expert {e} out of range: MoE layer {m} holds {layout.num_experts} experts")
         names = [layout.up_name, "down_proj"] + ([f"{layout.up_name}_bias", "down_proj_bias"] if layout.has_bias else [])
-        t = {n: self._tensor(m, e, n).to(getattr(mod, n).dtype) for n in names}
+        t = {n: self._tensor(m, e, n).to(self._dtypes[m][n]) for n in names}
         up, down = t[layout.up_name], t["down_proj"]
         if layout.is_transposed:
             up, down = up.T, down.T  # (R, H), (H, I)
@@ -221,6 +230,23 @@ class ExpertIndex:
                                  f"{tuple(tensor.shape)}, the model's layout needs {want[role]}: not this model's "
                                  "checkpoint")
         return ExpertWeights(up, down, t.get(f"{layout.up_name}_bias"), t.get("down_proj_bias"))
+
+    def where(self, m: int, e: int, name: str) -> str:
+        """'file: key, ...' of the checkpoint tensors the module tensor `name` of expert e, MoE layer m comes from."""
+        src = self._experts.get((m, name))
+        if src is None:
+            return f"{self.folder}: no tensor for {name}"
+        pairs = list(src.whole.values()) + list(src.per_expert.get(e, {}).values())
+        files = sorted({f.name for f, _ in pairs})
+        return f"{', '.join(files)}: {', '.join(k for _, k in pairs)}"
+
+    def files(self, m: int, e: int) -> list[Path]:
+        """The checkpoint files expert e of MoE layer m is read from (for messages)."""
+        out = []
+        for (mm, _), src in self._experts.items():
+            if mm == m:
+                out += [f for f, _ in src.whole.values()] + [f for f, _ in src.per_expert.get(e, {}).values()]
+        return list(dict.fromkeys(out))
 
     def dense_tensors(self, target: str) -> dict[str, torch.Tensor]:
         """{model key: tensor} that the checkpoint source of `target` loads into, built as from_pretrained
@@ -257,6 +283,64 @@ class LoadReport:
     experts_on_meta: tuple[str, ...]  # the routed-expert tensors, never materialised
     initialised: tuple[str, ...]  # non-persistent buffers recomputed by the family's own _init_weights
     missing: tuple[str, ...]  # non-expert tensors the checkpoint lacks (initialised as from_pretrained does)
+
+
+def _config_of(config) -> "PretrainedConfig":  # noqa: F821 - transformers' type, imported lazily
+    """A PretrainedConfig from itself, a config.json file or a checkpoint folder (local files only)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    path = Path(config)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} holds no config.json; give a checkpoint folder, a config.json file or a "
+                                "transformers PretrainedConfig")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; give a checkpoint folder, a config.json file or a "
+                                "transformers PretrainedConfig")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def _model_class(config):
+    """The *ForCausalLM class of config, else its base model class (a text tower)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING):
+        if type(config) in mapping:
+            return mapping[type(config)]
+    raise ValueError(f"model_type {config.model_type!r} has no causal-LM or base model class in transformers")
+
+
+def meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model of a config (a PretrainedConfig, a config.json file or a checkpoint folder) built on the meta
+    device: shapes and dtypes, no weights. The routers of its first MoE layers -- up to the first one the gate
+    input alone can drive -- are materialised on the CPU with random weights (std 0.25, as `testing.tiny_model`
+    does), so that `adapt(model)` can read their semantics off the modules; nothing else holds bytes."""
+    from fate_lab.model.adapters import experts_modules
+    from fate_lab.model.routers import find_router
+
+    config = _config_of(config)
+    with torch.device("meta"):
+        model = _model_class(config)._from_config(config, dtype=dtype or getattr(config, "dtype", None)
+                                                  or torch.float32)
+    hidden = int(config.get_text_config().hidden_size)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, _, experts in experts_modules(model):
+            site = find_router(model, experts, hidden)
+            if site is None:
+                break
+            for owner in [*site.router.modules(), site.block]:  # the router and the block's own tensors
+                owner.to_empty(device="cpu", recurse=False)
+                model._init_weights(owner)  # the family's own initial values (norm weights, scales)
+            site = find_router(model, experts, hidden)
+            for w in site.weights:
+                w.copy_(torch.randn(w.shape, generator=g) * 0.25)
+            for b in site.biases:
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+            if set(site.missing) <= set(site.optional):
+                break
+    return model.eval()
 
 
 def load_without_experts(folder: str | Path, dtype: torch.dtype | None = None,

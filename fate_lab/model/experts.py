@@ -58,6 +58,13 @@ class ExpertLayout:
         """Name of the up (or gate-and-up) projection tensor."""
         return "gate_up_proj" if self.has_gate else "up_proj"
 
+    def tensor_names(self) -> dict[str, str]:
+        """{ExpertWeights field: the experts module's tensor name}, e.g. gate_up -> up_proj without a gate."""
+        names = {"gate_up": self.up_name, "down": "down_proj"}
+        if self.has_bias:
+            names.update(gate_up_bias=f"{self.up_name}_bias", down_bias="down_proj_bias")
+        return names
+
     @property
     def rows(self) -> int:
         """R: rows of one expert's canonical up projection."""
@@ -150,12 +157,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return y if bias is None else y + bias
 
 
-def expert_apply(mod: nn.Module, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+def expert_apply(mod: nn.Module, x: torch.Tensor, w: ExpertWeights, post_norm: bool = True) -> torch.Tensor:
     """Unweighted output [n, H] of one expert on x [n, H], as transformers' eager forward computes it.
 
     up (+ bias) -> the module's `_apply_gate` (or `act_fn` without a gate) -> down (+ bias) -> the
-    module's `post_expert_norm` when declared. The routing weight is NOT applied: every eager
-    forward of transformers 5.24 multiplies it after all of this (`combine_experts` does).
+    module's `post_expert_norm` when declared (post_norm=False leaves it to the caller, e.g. to run it
+    where the module's norm weights live). The routing weight is NOT applied: every eager forward of
+    transformers 5.24 multiplies it after all of this (`combine_experts` does).
     """
     layout = layout_of(mod)
     if layout.compute_fp32:
@@ -165,7 +173,7 @@ def expert_apply(mod: nn.Module, x: torch.Tensor, w: ExpertWeights) -> torch.Ten
     if layout.compute_fp32:
         h = h.float()
     y = _linear(h, w.down, w.down_bias)  # (n, H)
-    if layout.has_post_expert_norm:
+    if layout.has_post_expert_norm and post_norm:
         y = mod.post_expert_norm(y)  # (n, H)
     return y
 

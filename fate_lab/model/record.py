@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fate_lab.model.adapters import adapt, is_offloaded
+from fate_lab.model.routers import logit_bias
 from fate_lab.model.trace import DECODE, PREFILL, Trace
 
 
@@ -124,19 +125,26 @@ def record_trace(model, tokenizer, prompts: list, decode_tokens: int = 32, max_p
     finally:
         rec.close()
         bar.close()
-    sites = [adapter.router_site(m).weight() for m in range(adapter.num_moe_layers)]
-    # the [E, H] router weights, when every layer has one (an MLP router, e.g. ZAYA's, has none)
-    router_weights = None if any(w is None for w in sites) else torch.stack([w.detach().float().cpu() for w in sites])
+    sites = [adapter.router_site(m) for m in range(adapter.num_moe_layers)]
+    weights = [s.weight() for s in sites]
+    # the [E, H] router weights, when every layer has one (an MLP router, e.g. ZAYA's, has none), and the
+    # routers' logit biases when any has one (gpt-oss): what a simulator needs to predict as the runtime does
+    router_weights = None if any(w is None for w in weights) else torch.stack([w.detach().float().cpu() for w in weights])
+    biases = [logit_bias(s) for s in sites]
+    router_biases = None if router_weights is None or all(b is None for b in biases) else torch.stack(
+        [torch.zeros(w.shape[0]) if b is None else b.detach().float().cpu() for w, b in zip(weights, biases)])
+    routers = adapter.host_routers()
     meta = {
         "source": "record_trace", "family": adapter.family, "model": str(getattr(model.config, "_name_or_path", "")),
         "num_experts": adapter.num_experts, "top_k": adapter.top_k, "moe_layers": list(adapter.moe_layers),
-        "scoring": adapter.router_spec.scoring, "router_linear": adapter.router_spec.linear,
+        "scoring": adapter.router_spec.scoring,
+        "router_linear": all(routers.is_linear(m) for m in range(adapter.num_moe_layers)),
         "prompts": [p if isinstance(p, str) else None for p in prompts],
         "generated": generated, "decode_tokens": decode_tokens,
     }
     return Trace(
         experts=torch.cat(rows["experts"]), weights=torch.cat(rows["weights"]), logits=torch.cat(rows["logits"]),
-        gate_inputs=torch.cat(rows["gate_inputs"]), router_weights=router_weights,
+        gate_inputs=torch.cat(rows["gate_inputs"]), router_weights=router_weights, router_biases=router_biases,
         token_ids=torch.tensor(token_ids), phase=torch.tensor(phase), prompt_id=torch.tensor(prompt_id),
         position=torch.tensor(position), meta=meta,
     )

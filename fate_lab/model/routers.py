@@ -7,7 +7,8 @@ router returns: per-expert scores, top-k weights, top-k indices); `fit_router` r
 the module with random gate inputs, how its scores become probabilities (softmax, sigmoid or already
 probabilities), which bias steers the choice, whether weights are renormalised and scaled, and
 whether the pure `select_experts` reproduces it (`RouterSpec.exact`); `HostRouter` is an exact CPU
-copy of one router, for Fate's host-side cross-layer prediction.
+copy of one router, for Fate's host-side cross-layer prediction; `HostRouters` holds every layer's, behind
+the `scores(m, x)` interface the predictors and score-reading policies read.
 
 What it is not: no prediction rule (`policy/predictors.py`), no expert math (`experts.py`).
 
@@ -277,13 +278,14 @@ def fit_router(site: RouterSite, tokens: int = 256, seed: int = 0) -> RouterFit:
                 spec, exact = cand, True
                 break
     weight = site.weight()
+    lin_tol = 1e-3 if x.dtype == torch.float32 else 2e-2  # a bf16/fp16 product differs from the fp32 one by ~1e-2
     linear = weight is not None and l.shape[1] == E and scoring != "none" and torch.allclose(
-        F.linear(x.float(), weight.float(), _logit_bias(site)), r.scores, rtol=1e-3, atol=1e-3)
+        F.linear(x.float(), weight.float(), logit_bias(site)), r.scores, rtol=lin_tol, atol=lin_tol)
     spec = RouterSpec(**{**spec.__dict__, "exact": exact, "linear": bool(linear), "routed_scaling_factor": round(scale, 4)})
     return RouterFit(spec, bias, choice, stateless=bool(site.optional))
 
 
-def _logit_bias(site: RouterSite) -> torch.Tensor | None:
+def logit_bias(site: RouterSite) -> torch.Tensor | None:
     """A router's own `bias` parameter added to its logits (gpt-oss), or None."""
     b = getattr(site.router, "bias", None)
     return b.float() if isinstance(b, torch.Tensor) and b.dim() == 1 else None
@@ -305,11 +307,70 @@ class HostRouter:
         self.fit = fit
 
     @torch.no_grad()
-    def __call__(self, gate_input: torch.Tensor, **inputs) -> Routing:
-        """What the layer's router returns for gate_input [T, H], computed on the CPU."""
-        return call_router(self.site, gate_input.detach().to("cpu"), **inputs)
+    def __call__(self, gate_input: torch.Tensor, stateless: bool = False, **inputs) -> Routing:
+        """What the layer's router returns for gate_input [T, H], computed on the CPU (stateless: see
+        `call_router`)."""
+        return call_router(self.site, gate_input.detach().to("cpu"), stateless=stateless, **inputs)
 
-    def probs(self, gate_input: torch.Tensor, **inputs) -> torch.Tensor:
+    def probs(self, gate_input: torch.Tensor, stateless: bool = False, **inputs) -> torch.Tensor:
         """Per-expert probabilities [T, E] float32 (Fate's predicted distribution for this layer)."""
-        scores = scores_of(self.fit.spec.scoring, self(gate_input, **inputs).scores, self.site.router)  # (T, E')
+        routing = self(gate_input, stateless=stateless, **inputs)
+        scores = scores_of(self.fit.spec.scoring, routing.scores, self.site.router)  # (T, E')
         return scores[:, : int(self.site.experts.num_experts)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the router computes in (its first parameter's)."""
+        param = next(iter(self.site.router.parameters()), None)
+        return param.dtype if param is not None else torch.float32
+
+
+class HostRouters:
+    """Every MoE layer's router on the host, for prediction and score-reading policies: `scores(m, x)`, the
+    interface of `policy.rules.RouterScores`, from the model's own routers.
+
+    A router whose scores are its gate input times an [E, H] weight (+ bias), scored by softmax or sigmoid
+    (`RouterSpec.linear`), is applied as `policy.rules.next_layer_scores` computes it -- the arithmetic a
+    simulator reproduces from a trace's `router_weights` and `router_biases`, so both drivers predict the same
+    sets bit for bit; any other router (a norm before its projection, an MLP, its own score function) runs as
+    its exact CPU copy (`HostRouter`), fed the gate input in the router's dtype. A router input the gate input
+    cannot supply is left out where the router has a default for it (`stateless`, as its first layer runs);
+    a layer whose router cannot run without one (hash routing on token ids) is scored by its learned
+    weight alone, when it has one.
+    """
+
+    def __init__(self, routers: list[HostRouter]):
+        from fate_lab.policy.rules import RouterScores
+
+        self.routers = routers
+        self._linear: list[RouterScores | None] = []
+        self._weight_only: list[tuple[torch.Tensor, str, nn.Module] | None] = []
+        for r in routers:
+            spec, site = r.fit.spec, r.site
+            weight = site.weight()
+            linear = spec.linear and spec.scoring in ("softmax", "sigmoid") and weight is not None
+            bias = logit_bias(site)
+            self._linear.append(RouterScores([weight], spec.scoring, None if bias is None else [bias])
+                                if linear else None)
+            needs = set(site.missing) - set(site.optional)
+            self._weight_only.append((weight.detach().float(), spec.scoring, site.router)
+                                     if needs and weight is not None else None)
+
+    def __len__(self) -> int:
+        return len(self.routers)
+
+    def is_linear(self, m: int) -> bool:
+        """True when layer m's router is applied as a weight product (what a trace's router weights reproduce)."""
+        return self._linear[m] is not None
+
+    def scores(self, m: int, gate_input: torch.Tensor) -> torch.Tensor:
+        """Router m's per-expert probabilities [T, E] float32 for a gate input [T, H] (layer m+1's router on
+        layer m's gate input is Fate's prediction)."""
+        if self._linear[m] is not None:
+            return self._linear[m].scores(0, gate_input)  # (T, E)
+        router = self.routers[m]
+        if self._weight_only[m] is not None:
+            weight, scoring, module = self._weight_only[m]
+            x = gate_input.detach().to("cpu", torch.float32).reshape(-1, weight.shape[1])  # (T, H)
+            return scores_of(scoring, F.linear(x, weight), module)  # (T, E)
+        return router.probs(gate_input.detach().to("cpu", router.dtype), stateless=True)  # (T, E)

@@ -9,7 +9,8 @@ routing array from another tool. What it is not: an analysis or a cache simulato
 On-disk format (one ``.safetensors`` file, no pickles):
   tensors  ``experts`` int [N, L, k] (int64 from ``record_trace``; a routing array's int8/int16/
            int32/uint8 ids keep their width); optional ``weights`` f32 [N, L, k], ``logits`` [N, L, E],
-           ``gate_inputs`` [N, L, H] (f16 by default), ``router_weights`` f32 [L, E, H];
+           ``gate_inputs`` [N, L, H] (f16 by default), ``router_weights`` f32 [L, E, H], ``router_biases``
+           f32 [L, E] (routers with a logit bias, e.g. gpt-oss);
            ``token_ids``, ``phase`` (0 prefill, 1 decode), ``prompt_id``, ``position`` int64 [N].
   metadata ``{"fate_lab_trace": <JSON of Trace.meta>}`` (family, num_experts, top_k, moe_layers,
            router scoring, prompts, generated texts, format version).
@@ -29,7 +30,7 @@ import torch
 PREFILL, DECODE = 0, 1
 PHASES = {"prefill": PREFILL, "decode": DECODE}
 FORMAT_VERSION = 1
-_OPTIONAL = ("weights", "logits", "gate_inputs", "router_weights")
+_OPTIONAL = ("weights", "logits", "gate_inputs", "router_weights", "router_biases")
 _REQUIRED = ("experts", "token_ids", "phase", "prompt_id", "position")
 _ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # expert ids kept at their width
 _PAIRWISE_MAX_K = 8  # duplicate check: k(k-1)/2 compares up to this k (faster than a sort), a sort beyond
@@ -64,6 +65,7 @@ class Trace:
     logits: torch.Tensor | None = None  # (N, L, E) router logits
     gate_inputs: torch.Tensor | None = None  # (N, L, H) what each router multiplied
     router_weights: torch.Tensor | None = None  # (L, E, H) each MoE layer's router weight
+    router_biases: torch.Tensor | None = None  # (L, E) each router's logit bias (None: no router has one)
 
     def __post_init__(self) -> None:
         if self.experts.dim() != 3:
@@ -362,15 +364,33 @@ def from_routing_array(routing, num_experts: int | None = None, phase=None, prom
                  prompt_id=prompt_id, position=position, meta=meta)
 
 
+def _check_reproducible(trace: Trace) -> None:
+    """ValueError unless the trace's router weights reproduce its routers' scores (linear softmax/sigmoid)."""
+    if trace.meta.get("router_linear") is False or trace.meta.get("scoring", "softmax") not in ("softmax", "sigmoid"):
+        raise ValueError(f"the {trace.meta.get('family')!r} router is not its gate input times a weight matrix "
+                         f"scored by softmax or sigmoid (scoring {trace.meta.get('scoring')!r}; e.g. it normalises "
+                         "its input or is an MLP), so this trace's router weights cannot reproduce it: predict with "
+                         "the model's own routers, adapters.MoEAdapter.host_routers() (pass it as simulate(..., "
+                         "router=...)), or MoEAdapter.probs(l + 1, gate input of layer l)")
+    if trace.gate_inputs is None or trace.router_weights is None:
+        raise ValueError("this trace has no gate inputs/router weights (e.g. it came from a routing array); "
+                         "record one with record_trace to use cross-layer prediction")
+
+
+def router_scores(trace: Trace):
+    """Every MoE layer's router as the trace's weights (and logit biases) reproduce it: a `policy.rules.RouterScores`.
+    ValueError for a trace without them, or of a router they cannot reproduce (see `_check_reproducible`)."""
+    from fate_lab.policy.rules import RouterScores
+
+    _check_reproducible(trace)
+    biases = None if trace.router_biases is None else list(trace.router_biases)
+    return RouterScores([w.float() for w in trace.router_weights], trace.meta.get("scoring", "softmax"), biases)
+
+
 def cross_layer_scores(trace: Trace) -> torch.Tensor:
     """Scores for layer l+1 predicted from layer l's gate input: [N, L-1, E] (Fate's prefetch signal)."""
     from fate_lab.policy.rules import cross_layer_scores as _scores
 
-    if trace.meta.get("router_linear") is False:
-        raise ValueError(f"the {trace.meta.get('family')!r} router is not its gate input times a weight matrix "
-                         "(e.g. it normalises its input or is an MLP): predict with "
-                         "adapters.MoEAdapter.probs(l + 1, gate input of layer l), which runs the model's own router")
-    if trace.gate_inputs is None or trace.router_weights is None:
-        raise ValueError("this trace has no gate inputs/router weights (e.g. it came from a routing array); "
-                         "record one with record_trace to use cross-layer prediction")
-    return _scores(trace.gate_inputs, list(trace.router_weights), trace.meta.get("scoring", "softmax"))
+    _check_reproducible(trace)
+    return _scores(trace.gate_inputs, list(trace.router_weights), trace.meta.get("scoring", "softmax"),
+                   None if trace.router_biases is None else list(trace.router_biases))

@@ -4,19 +4,25 @@ What this file is: `ExpertsCall`, built per call by the runtime. Its `compute(e,
 (`policy/step.py`) calls for each needed expert, in the cache's order: from a device slot (`slots.weights`,
 dequantized first when packed), on the host from the store's weights (the activations go there and back;
 on a CPU-only machine the call then holds for the host profile's time), or from the resident INT2 copy
-(HOBBIT's stand-in). `output()` sums the weighted outputs and renormalises what a lossy step dropped.
+(HOBBIT's stand-in). Every expert computes with `model.experts.expert_apply` on its `ExpertWeights`, so
+each layout the model side serves (no gate, biases, transposed or interleaved storage, a family's own gate,
+fp32 compute) computes as transformers' eager experts forward does. `output()` sums the weighted outputs as
+that forward sums them -- expert by expert in id order, in the layout's accumulation dtype -- and
+renormalises what a lossy step dropped.
 What it is not: the schedule (which expert when, from which slot: the cache) or a policy.
-Letters: T tokens, K experts per token (top-k), H hidden, I expert intermediate.
+Letters: T tokens, K experts per token (top-k), H hidden, n tokens of one expert.
 """
 from __future__ import annotations
 
 import time
 
 import torch
-import torch.nn.functional as F
 
+from fate_lab.model.experts import ExpertWeights, expert_apply
 from fate_lab.policy.cache import HOST
 from fate_lab.policy.lossy import LOWP
+
+_ACCUMULATE = {"float32": torch.float32}  # layout.accumulate -> dtype ("output": the hidden's; "weights": theirs)
 
 
 class ExpertsCall:
@@ -25,25 +31,41 @@ class ExpertsCall:
     def __init__(self, rt, m: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor):
         self.rt, self.m, self.x = rt, m, hidden_states
+        self.module, self.layout = rt.adapter.experts_module(m), rt.adapter.layouts[m]
         self.T, self.K = top_k_index.shape
         self.idx_host = top_k_index.detach().to("cpu")  # (T, K)
         self.flat = self.idx_host.reshape(-1).tolist()  # (T*K,) expert per (token, k) position
-        self.out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
-        self.weighted = torch.zeros(self.T * self.K, hidden_states.shape[1], dtype=self.out_dtype,
-                                    device=hidden_states.device)  # (T*K, H)
-        self.flat_idx, self.flat_w = top_k_index.reshape(-1), top_k_weights.reshape(-1)  # (T*K,)
-        self.module = rt.adapter.experts_module(m)
+        E = self.layout.num_experts
+        if any(not 0 <= e < E for e in self.flat):
+            bad = next(e for e in self.flat if not 0 <= e < E)
+            raise NotImplementedError(f"{rt.adapter.family}: the router of MoE layer {m} passed expert id {bad} to "
+                                      f"its experts ({E} experts); fate_lab does not serve routers that mark "
+                                      "skipped slots with out-of-range ids")
+        self.idx, self.w = top_k_index, top_k_weights
+        self.flat_w = top_k_weights.reshape(-1)  # (T*K,)
+        acc = self.layout.accumulate
+        self.acc_dtype = top_k_weights.dtype if acc == "weights" else _ACCUMULATE.get(acc, hidden_states.dtype)
+        self.outputs: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # e -> (token rows, weighted (n, H))
 
-    def _place(self, e: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """weighted[positions of e] = w * down(act(gate_up(x)))."""
-        if self.T == 1:  # decode: expert e sits at one position k of the single token
+    def _rows(self, e: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(token rows (n,) or None for the single decode token, their hidden [n, H], their weights [n, 1]); a token
+        whose top-k names e twice (hash routing can) counts twice, as in the eager forward."""
+        if self.T == 1 and self.flat.count(e) == 1:  # decode: expert e sits at one position k of the single token
             k = self.flat.index(e)
-            h = self.module._apply_gate(F.linear(self.x, gate_up))  # (1, I)
-            self.weighted[k:k + 1] = F.linear(h, down) * self.flat_w[k:k + 1, None]  # (1, H)
-        else:
-            pos = (self.flat_idx == e).nonzero().squeeze(1)  # (n,) flat (token, k) positions of e
-            h = self.module._apply_gate(F.linear(self.x[pos // self.K], gate_up))  # (n, I)
-            self.weighted[pos] = F.linear(h, down) * self.flat_w[pos].unsqueeze(-1)  # (n, H)
+            return None, self.x, self.w[0:1, k:k + 1]  # (1, H), (1, 1)
+        tok, pos = torch.where(self.idx == e)  # (n,), (n,)
+        return tok, self.x[tok], self.w[tok, pos, None]  # (n,), (n, H), (n, 1)
+
+    def _weigh(self, e: int, tok: torch.Tensor | None, y: torch.Tensor, w: torch.Tensor) -> None:
+        """Keep expert e's output y [n, H] times its routing weights w [n, 1], in the accumulation dtype."""
+        if self.layout.compute_fp32:
+            w = w.float()
+        self.outputs[e] = (tok, (y * w).to(self.acc_dtype))  # (n, H)
+
+    def _place(self, e: int, weights: ExpertWeights) -> None:
+        """Expert e on its tokens with weights (on the device)."""
+        tok, x, w = self._rows(e)
+        self._weigh(e, tok, expert_apply(self.module, x, weights), w)  # (n, H)
 
     def compute(self, e: int, slot: int) -> None:
         """Expert e computes from `slot` (a device slot, `HOST` or `LOWP`)."""
@@ -52,15 +74,13 @@ class ExpertsCall:
         if slot == LOWP:
             return self._from_standin(e)
         t0 = time.perf_counter()
-        gate_up, down = self.rt.slots.weights(slot)  # (2I, H), (H, I); packed: dequantized into the scratch
-        self._place(e, gate_up, down)
+        self._place(e, self.rt.slots.weights(slot))  # packed: dequantized into the scratch first
         self.rt.core.event("compute", self.m, e, t0, time.perf_counter())
 
     def _from_standin(self, e: int) -> None:
         """Expert e computes from its resident INT2 copy, dequantized right before use (HOBBIT's stand-in)."""
         t0 = time.perf_counter()
-        q = self.rt.standin[self.m][e]
-        self._place(e, q.gate_up.dequantize(self.rt.dtype), q.down.dequantize(self.rt.dtype))  # (2I, H), (H, I)
+        self._place(e, self.rt.standin[self.m][e].dequantize(self.rt.dtype))
         self.rt.core.event("compute_lowp", self.m, e, t0, time.perf_counter())
 
     def _on_host(self, e: int) -> None:
@@ -69,15 +89,17 @@ class ExpertsCall:
         profile's time for its tokens has passed."""
         rt, m = self.rt, self.m
         t0 = time.perf_counter()
-        w = rt.store.fetch(m, e)  # host tensors: gate_up (2I, H), down (H, I)
-        pos = (self.flat_idx == e).nonzero().squeeze(1).cpu()  # (n,) flat (token, k) positions of e
-        x = self.x[(pos // self.K).to(self.x.device)].to("cpu", w.gate_up.dtype)  # (n, H) to the host
-        h = self.module._apply_gate(F.linear(x, w.gate_up))  # (n, I)
-        y = F.linear(h, w.down).to(self.x.device, self.out_dtype)  # (n, H) back to the device
-        p_dev = pos.to(self.x.device)
-        self.weighted[p_dev] = y * self.flat_w[p_dev].unsqueeze(-1)  # (n, H)
+        weights = rt.store.fetch(m, e)  # host tensors, canonical
+        tok, x, w = self._rows(e)
+        n = 1 if tok is None else tok.numel()
+        norm_here = not self.layout.has_post_expert_norm or rt.device.type == "cpu"
+        y = expert_apply(self.module, x.to("cpu", weights.gate_up.dtype), weights, post_norm=norm_here)  # (n, H)
+        y = y.to(self.x.device)  # back to the device
+        if not norm_here:
+            y = self.module.post_expert_norm(y)  # (n, H) its weights live on the device
+        self._weigh(e, tok, y, w)
         if rt.device.type == "cpu":
-            hold = t0 + rt.core.host_time(len(pos)) - time.perf_counter()
+            hold = t0 + rt.core.host_time(n) - time.perf_counter()
             if hold > 0:
                 time.sleep(hold)
         t1 = time.perf_counter()
@@ -85,9 +107,15 @@ class ExpertsCall:
         rt.core.event("host", m, e, t0, t1)
 
     def output(self, order: list[int]) -> torch.Tensor:
-        """The layer's output [T, H]: the weighted outputs summed over k; renormalised over the experts kept
-        when a lossy step dropped some (order lacks them)."""
-        out = self.weighted.view(self.T, self.K, -1).sum(dim=1)  # (T, H)
+        """The layer's output [T, H]: the weighted outputs added expert by expert in id order (as the eager
+        forward adds them); renormalised over the experts kept when a lossy step dropped some (order lacks them)."""
+        out = torch.zeros(self.x.shape, dtype=self.acc_dtype, device=self.x.device)  # (T, H)
+        for e in sorted(self.outputs):
+            tok, y = self.outputs[e]
+            if tok is None:
+                out += y  # (1, H)
+            else:
+                out.index_add_(0, tok, y)  # (T, H)
         kept_set = set(order)
         if len(kept_set) < len(set(self.flat)):
             kept = torch.tensor([e in kept_set for e in self.flat], device=self.flat_w.device)  # (T*K,)

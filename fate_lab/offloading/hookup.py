@@ -2,9 +2,10 @@
 
 What this file is: the experts implementation registered as "fate_offload" in transformers'
 `ExpertsInterface` (it forwards each experts call to the runtime attached to the module), the
-checks that a model's experts module is one the runtime can serve, emptying the fused expert
-tensors on the device and putting them back on close, and `StepwiseForward` (a model run one
-token at a time, so every position is a decode step of the offloaded model).
+check that a model's experts modules are ones the runtime can serve (`model.experts.expert_refusal`),
+emptying every routed-expert tensor (weights and biases, per layout) on the device and giving the
+caller back its own Parameters on close, and `StepwiseForward` (a model run one token at a time, so
+every position is a decode step of the offloaded model).
 What it is not: no slot, cache or transfer logic (`cache.py`, `slots.py`, `transfer.py`).
 """
 from __future__ import annotations
@@ -16,9 +17,11 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from fate_lab.model.adapters import OFFLOAD_MARK, MoEAdapter
+from fate_lab.model.experts import expert_refusal
 from fate_lab.offloading.store import HostStore
 
 IMPLEMENTATION = "fate_offload"
+NO_EXPERTS = "_fate_no_experts"  # set on the experts modules of a closed runtime that had no copy to give back
 
 
 def _fate_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -26,10 +29,9 @@ def _fate_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     """Experts implementation registered as "fate_offload": defers to the runtime attached to the module."""
     block = getattr(self, OFFLOAD_MARK, None)
     if block is None:
-        raise RuntimeError(
+        raise RuntimeError(getattr(self, NO_EXPERTS, None) or (
             "experts_implementation='fate_offload' is set but this experts module is not offloaded; "
-            "call fate_lab.offload(model, config), or model.set_experts_implementation('eager')"
-        )
+            "call fate_lab.offload(model, config), or model.set_experts_implementation('eager')"))
     return block.runtime.layer_forward(block.m, hidden_states, top_k_index, top_k_weights)
 
 
@@ -44,67 +46,106 @@ class OffloadedExperts:
     runtime: object
 
 
-def check_experts_module(mod: nn.Module) -> None:
-    """Refuse an experts module whose layout the offloaded kernel does not implement."""
-    for flag, want in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True),
-                       ("has_gate", True), ("has_post_expert_norm", False)):
-        if getattr(mod, flag, want) != want:
-            raise NotImplementedError(f"{type(mod).__name__}.{flag}={not want} is not supported by the runtime")
-
-
 def attach(adapter: MoEAdapter, runtime: object) -> str:
     """Attach runtime to every experts module and switch the model to "fate_offload"; returns the previous
     implementation name (for `detach`)."""
     model = adapter.model
     prev = model.config._experts_implementation
     for m in range(adapter.num_moe_layers):
-        setattr(adapter.experts_module(m), OFFLOAD_MARK, OffloadedExperts(m, runtime))
+        mod = adapter.experts_module(m)
+        if hasattr(mod, NO_EXPERTS):
+            delattr(mod, NO_EXPERTS)
+        setattr(mod, OFFLOAD_MARK, OffloadedExperts(m, runtime))
     model.set_experts_implementation(IMPLEMENTATION)
     return prev
 
 
-def detach(adapter: MoEAdapter, prev_impl: str | None) -> None:
-    """Undo `attach`: the experts modules forget the runtime and the previous implementation returns."""
+def detach(adapter: MoEAdapter, prev_impl: str | None, no_experts: str | None = None) -> None:
+    """Undo `attach`: the experts modules forget the runtime and the previous implementation returns. no_experts:
+    the experts were not given back (no copy existed): the model stays on "fate_offload", whose every call then
+    raises this message."""
     for m in range(adapter.num_moe_layers):
         mod = adapter.experts_module(m)
         if hasattr(mod, OFFLOAD_MARK):
             delattr(mod, OFFLOAD_MARK)
-    if prev_impl is not None:
+        if no_experts is not None:
+            setattr(mod, NO_EXPERTS, no_experts)
+    if prev_impl is not None and no_experts is None:
         adapter.model.set_experts_implementation(prev_impl)
 
 
-def free_fused_experts(adapter: MoEAdapter, dtype: torch.dtype, device: torch.device) -> list[tuple]:
-    """Replace the fused expert tensors by empty ones: the device keeps no routed expert.
+def check_servable(adapter: MoEAdapter) -> None:
+    """Refuse (NotImplementedError) a model whose experts modules fate_lab cannot serve, naming the family, the
+    layout and what to do (`model.experts.expert_refusal`)."""
+    for m in range(adapter.num_moe_layers):
+        reason = expert_refusal(adapter.experts_module(m), adapter.family)
+        if reason is not None:
+            raise NotImplementedError(f"fate_lab cannot offload MoE layer {m}: {reason}")
 
-    Returns the (gate_up, down) Parameters it took, per MoE layer: on a CPU "device" the caller keeps
-    them (they are host memory already, so keeping them costs nothing) and puts them back on close.
+
+@dataclass(frozen=True)
+class Taken:
+    """The caller's own expert Parameters, per MoE layer {module tensor name: Parameter}, while offloaded."""
+
+    params: list[dict[str, nn.Parameter]]
+    on_host: bool  # True: they still hold their bytes (host memory); False: their device storage was freed
+
+
+def experts_state(adapter: MoEAdapter) -> str:
+    """"present" (every routed-expert tensor holds its bytes), "meta" (shapes only, e.g. `load_without_experts`)
+    or "empty" (taken by a runtime and not given back)."""
+    tensors = [t for m in range(adapter.num_moe_layers)
+               for t in adapter.experts_module(m).parameters(recurse=False)]
+    if any(t.numel() == 0 for t in tensors):
+        return "empty"
+    return "meta" if any(t.is_meta for t in tensors) else "present"
+
+
+def free_fused_experts(adapter: MoEAdapter, device: torch.device) -> Taken:
+    """Replace every routed-expert tensor of the experts modules (weights and biases) by an empty one: the device
+    keeps no routed expert.
+
+    Returns the Parameters taken. On a CPU "device" they keep their bytes (host memory already: keeping them
+    costs nothing, and the RAM store reads them in place); on an accelerator their storage is freed (the RAM
+    store holds a host copy) and `restore_fused_experts` refills these same Parameters on close.
     """
     taken = []
+    on_host = device.type == "cpu"
     for m in range(adapter.num_moe_layers):
         mod = adapter.experts_module(m)
-        taken.append((mod.gate_up_proj, mod.down_proj))
-        for name in ("gate_up_proj", "down_proj"):
-            setattr(mod, name, nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False))
+        layer = {}
+        for name in adapter.layouts[m].tensor_names().values():
+            p = getattr(mod, name)
+            layer[name] = p
+            setattr(mod, name, nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=False))
+            if not on_host and not p.is_meta:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # frees the device copy, keeps the object
+        taken.append(layer)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return taken
+    return Taken(taken, on_host)
 
 
-def put_back(adapter: MoEAdapter, taken: list[tuple]) -> None:
+def put_back(adapter: MoEAdapter, taken: Taken) -> None:
     """Give the experts modules exactly the Parameters `free_fused_experts` took."""
-    for m, (gate_up, down) in enumerate(taken):
+    for m, layer in enumerate(taken.params):
         mod = adapter.experts_module(m)
-        mod.gate_up_proj, mod.down_proj = gate_up, down
+        for name, p in layer.items():
+            setattr(mod, name, p)
 
 
-def restore_fused_experts(adapter: MoEAdapter, store: HostStore, device: torch.device) -> None:
-    """Put every layer's fused expert tensors back on the device from the host store (a device that is
-    not the host: the tensors the runtime took were freed there)."""
-    for m in range(adapter.num_moe_layers):
-        mod = adapter.experts_module(m)
-        gate_up, down = store.layer(m)  # (E, 2I, H), (E, H, I)
-        mod.gate_up_proj = nn.Parameter(gate_up.to(device), requires_grad=False)
-        mod.down_proj = nn.Parameter(down.to(device), requires_grad=False)
+def restore_fused_experts(adapter: MoEAdapter, store: HostStore, taken: Taken, device: torch.device) -> None:
+    """Refill the caller's own Parameters from the RAM store's host copy (taken at offload, in memory, never from
+    a file) in the module's own layout, on the device, and put them back."""
+    for m, layer in enumerate(taken.params):
+        layout = adapter.layouts[m]
+        parts = [store.fetch(m, e) for e in range(layout.num_experts)]
+        for field, name in layout.tensor_names().items():
+            rows = [getattr(w, field) for w in parts]  # canonical (R, H), (H, I), (R,), (H,)
+            if layout.is_transposed and field in ("gate_up", "down"):
+                rows = [t.T for t in rows]  # the module stores (H, R), (I, H)
+            layer[name].data = torch.stack(rows).to(device=device, dtype=layer[name].dtype)  # (E, ...)
+    put_back(adapter, taken)
 
 
 class StepwiseForward(nn.Module):

@@ -1,8 +1,8 @@
 """The runtime's mechanisms, built from what the driver core planned: host store, device slots, link engine.
 
-What this file is: `build_store` (host RAM, pinned on CUDA, or the SSD tier read from a checkpoint, wrapped
-with packed copies when the config quantizes), `build_slots` (full-precision or packed device slots, as many
-as the core's plan counts) and `build_engine` (the instant link, an emulated link on its own thread, or the
+What this file is: `build_store` (host RAM, pinned on CUDA, or the SSD tier read from a checkpoint and checked
+against full-content digests, wrapped with packed copies when the config quantizes), `build_slots`
+(full-precision or packed device slots, as many as the core's plan counts) and `build_engine` (the instant link, an emulated link on its own thread, or the
 CUDA copy stream). What it is not: a policy (the core decided the sizes) or the runtime that wires them.
 """
 from __future__ import annotations
@@ -13,23 +13,26 @@ from fate_lab.core.driver import DriverCore
 from fate_lab.core.sizing import SCRATCH_SLOTS
 from fate_lab.hardware.links import LinkProfile
 from fate_lab.model.adapters import MoEAdapter
+from fate_lab.model.checkpoint import ExpertIndex
 from fate_lab.offloading.slots import DeviceSlots, FullSlots, PackedSlots
 from fate_lab.offloading.store import HostStore, QuantizedStore, RamStore, SafetensorsStore
 from fate_lab.offloading.transfer import CudaCopyEngine, EmulatedLink, InstantLink, TransferEngine
 
 
-def build_store(core: DriverCore, adapter: MoEAdapter, dtype: torch.dtype, device: torch.device) -> HostStore:
+def build_store(core: DriverCore, adapter: MoEAdapter, device: torch.device, index: ExpertIndex | None = None
+                ) -> HostStore:
     """Every routed expert on the host: RAM (the model's own bytes on a CPU; a pinned copy on CUDA) or the SSD
-    tier (verified against the model before anything is freed), plus packed copies when quantizing."""
+    tier (verified in full against the model, or against the file when the model holds no experts, before
+    anything is freed), plus packed copies when quantizing. index: an `ExpertIndex` already built for the
+    checkpoint (`load_offloaded`)."""
     cfg = core.config
     pin = device.type == "cuda"
     if cfg.store == "ram":
         base: HostStore = RamStore.from_adapter(adapter, pin=pin)
     else:
-        if cfg.checkpoint is None:
+        if cfg.checkpoint is None and index is None:
             raise ValueError("OffloadConfig(store='ssd') needs checkpoint=<safetensors file or folder of the model>")
-        base = SafetensorsStore(cfg.checkpoint, adapter.moe_layers, adapter.num_experts, dtype)
-        base.verify(adapter)  # refuse a checkpoint that is not these weights, before anything is freed
+        base = SafetensorsStore.open(adapter, cfg.checkpoint if index is None else index.folder, index=index)
     if core.quant is None:
         return base
     return QuantizedStore(base, [core.quant.host_specs(m) for m in range(adapter.num_moe_layers)], pin=pin)
@@ -37,10 +40,10 @@ def build_store(core: DriverCore, adapter: MoEAdapter, dtype: torch.dtype, devic
 
 def build_slots(core: DriverCore, dtype: torch.dtype, device: torch.device) -> DeviceSlots:
     """The device slots the core's plan counts: full precision, or packed with a dequantize scratch."""
-    es = core.shape.expert_shapes()
+    shapes = core.shape.expert_shapes()
     if core.quant is None:
-        return FullSlots.empty(core.num_slots, es["gate_up"], es["down"], dtype, device)
-    slots = PackedSlots(es["gate_up"], es["down"], core.slot_specs, dtype, core.num_slots, SCRATCH_SLOTS, device)
+        return FullSlots.empty(core.num_slots, shapes, dtype, device)
+    slots = PackedSlots(shapes, core.slot_specs, dtype, core.num_slots, SCRATCH_SLOTS, device)
     if slots.slot_bytes != core.slot_bytes:
         raise RuntimeError(f"packed slots hold {slots.slot_bytes} bytes, the plan counted {core.slot_bytes} (a bug)")
     return slots

@@ -5,7 +5,15 @@ every driver builds through the driver core (`core/driver.py`: the plan, the slo
 policy, the cache, the predictor, the miss rule, the placement, the stats), adds the mechanisms that move
 real bytes (`mechanisms.py`: host store, device slots, link engine; `engine_link.py`: the cache's link over
 the engine), plugs into transformers' experts registry (`hookup.py`), and runs each experts call of MoE
-layer m as one layer step with real expert math (`experts_call.py`).
+layer m as one layer step with real expert math (`experts_call.py`). It serves every experts layout the
+model side serves (`model.experts.expert_refusal` says why not, at offload time). The predictor reads the
+model's own routers on the host (`MoEAdapter.host_routers()`), fed each layer's gate input as its router
+received it. A model whose experts were never loaded (`load.load_offloaded`) comes with its checkpoint's
+`ExpertIndex`, and its experts are served from the files only.
+
+Giving the model back (`close`): on a CPU, the very tensors taken; on an accelerator, the caller's own
+Parameters refilled from the RAM store's host copy (never from a file: store="ssd" is refused for a model
+whose experts sit in accelerator memory); after `load_offloaded`, nothing (no copy ever existed).
 
 Quantized experts (`OffloadConfig.quant`, a `QuantPolicy` preset): the store keeps the packed copies the
 policy needs; each transfer travels at the precision of its reason ("miss", "prefetch", "prefill_low" for
@@ -30,18 +38,18 @@ from fate_lab.core.shape import ModelShape
 from fate_lab.core.sizing import STANDIN_SPEC
 from fate_lab.hardware.setups import is_scaled, run_hardware
 from fate_lab.model.adapters import MoEAdapter, adapt, is_offloaded
+from fate_lab.model.checkpoint import ExpertIndex
 from fate_lab.offloading import hookup
 from fate_lab.offloading.engine_link import EngineLink
 from fate_lab.offloading.experts_call import ExpertsCall
 from fate_lab.offloading.hookup import StepwiseForward  # public here too, as the first version had it
 from fate_lab.offloading.mechanisms import build_engine, build_slots, build_store
 from fate_lab.offloading.slots import PackedSlots
-from fate_lab.offloading.store import PackedExpert
+from fate_lab.offloading.store import CheckpointError
 from fate_lab.offloading.transfer import CudaCopyEngine, TransferError, calibrate_layer_time
 from fate_lab.policy.allocation import lru_miss_curves
-from fate_lab.policy.rules import RouterScores
 from fate_lab.policy.step import LayerCall
-from fate_lab.quant import quantize_expert
+from fate_lab.quant import PackedExpert, pack_expert
 
 __all__ = ["OffloadConfig", "Runtime", "offload", "calibrate_layer_time", "StepwiseForward"]
 
@@ -49,7 +57,8 @@ __all__ = ["OffloadConfig", "Runtime", "offload", "calibrate_layer_time", "Stepw
 class Runtime:
     """An offloaded MoE model; build it with `offload(model, config)`, end it with `close()`."""
 
-    def __init__(self, model: nn.Module, config: OffloadConfig):
+    def __init__(self, model: nn.Module, config: OffloadConfig, index: ExpertIndex | None = None):
+        """index: the checkpoint's `ExpertIndex` when the model's experts were never loaded (`load_offloaded`)."""
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate')), got "
                             f"{type(config).__name__}")
@@ -58,29 +67,33 @@ class Runtime:
             raise RuntimeError("this model is already offloaded by a Runtime; close() that one first")
         self.adapter: MoEAdapter = adapt(model)
         a = self.adapter
-        self.device = a.experts_module(0).gate_up_proj.device
-        self.dtype = a.experts_module(0).gate_up_proj.dtype
-        for m in range(a.num_moe_layers):
-            hookup.check_experts_module(a.experts_module(m))
+        hookup.check_servable(a)
+        state = hookup.experts_state(a)
+        if state == "empty" or (state == "meta" and index is None):
+            raise ValueError(f"{a.family}: this model's experts are {'empty' if state == 'empty' else 'on the meta device'}"
+                             " (no bytes: a Runtime opened with load_offloaded was closed, one was closed with "
+                             "restore=False, or the model was built without weights): open it again with "
+                             "fate_lab.load_offloaded(path, config), or load it again with load_model")
+        self.experts_in_memory = state == "present"
+        self.device = _device_of(model, a)
+        self.dtype = a.layouts[0].dtype
+        self._check_setup(config)
         self.shape = ModelShape.from_adapter(a)
         self.top_k, self.num_experts = a.top_k, a.num_experts
-        self.expert_bytes = self.shape.nbytes(None)  # one expert at full precision (the model's dtype)
+        self.expert_bytes = self.shape.nbytes(None)  # one expert at full precision (the model's dtype), biases included
         # the scaled link's calibration needs the experts still in place
         self.layer_compute_s = None
         if is_scaled(config.link):
             self.layer_compute_s = config.layer_compute_s or calibrate_layer_time(model, config.calibration_steps)
         native = self.device.type == "cuda" and config.native_link and config.link != "instant"
         self.core = DriverCore(config, self.shape, run_hardware(config.link, self.layer_compute_s), driver="runtime",
-                               router=RouterScores([a.router_weight(m) for m in range(a.num_moe_layers)],
-                                                   a.router_spec.scoring),
-                               link_note=" [native CUDA]" if native else "", miss_curves=self._calibration_curves)
-        self.store = build_store(self.core, a, self.dtype, self.device)
+                               router=a.host_routers(), link_note=" [native CUDA]" if native else "",
+                               miss_curves=self._calibration_curves)
+        self.store = build_store(self.core, a, self.device, index)
         self.core.stats.store = self.store.describe()
         self._closed = True  # until the hook-up is complete
         self.engine = None
-        taken = hookup.free_fused_experts(a, self.dtype, self.device)
-        # on a CPU the tensors taken are host memory already: keep them (no copy) and give exactly them back
-        self._taken = taken if self.device.type == "cpu" else None
+        self._taken = hookup.free_fused_experts(a, self.device)
         try:
             self._build_rest(model, native)
         except BaseException:
@@ -88,6 +101,24 @@ class Runtime:
                 self.engine.close()
             self._give_back()
             raise
+
+    def _check_setup(self, config: OffloadConfig) -> None:
+        """Refuse, before anything is taken, what this model and device cannot run (named, with what to do)."""
+        fam = self.adapter.family
+        if config.store == "ssd" and self.experts_in_memory and self.device.type != "cpu":
+            raise ValueError(f"{fam}: store='ssd' with the model's experts in {self.device.type} memory: close() could "
+                             "give them back only by reading the checkpoint again, which may have changed or vanished "
+                             "by then. Use store='ram' (a host copy of the caller's experts), or open the checkpoint "
+                             "with fate_lab.load_offloaded(path, config), whose experts live only in the file")
+        if not self.experts_in_memory:
+            if is_scaled(config.link) and config.layer_compute_s is None:
+                raise ValueError(f"link={config.link!r} is scaled to this machine's layer time, which cannot be "
+                                 "measured on a model whose experts were never loaded (load_offloaded): give "
+                                 "OffloadConfig(layer_compute_s=...) or an unscaled link")
+            if config.allocation == "miss_curve" and config.miss_curves is None:
+                raise ValueError("allocation='miss_curve' calibrates on a run of the plain model, which a model whose "
+                                 "experts were never loaded (load_offloaded) cannot do: give OffloadConfig("
+                                 "miss_curves=...) or another allocation")
 
     @torch.no_grad()
     def _calibration_curves(self, prompt_tokens: int = 16, decode_tokens: int = 48) -> list[list[int]]:
@@ -110,18 +141,17 @@ class Runtime:
         self.cache = core.build_cache(self._link)
         self.standin: list[list[PackedExpert]] | None = None
         if self.config.lossy == "standin":  # HOBBIT: every expert's INT2 copy moves to the device once, up front
-            def packed(m: int, e: int) -> PackedExpert:
-                w = self.store.fetch(m, e)
-                return PackedExpert(**quantize_expert({"gate_up": w.gate_up, "down": w.down}, STANDIN_SPEC))
-
-            self.standin = [[packed(m, e).to(self.device) for e in range(self.num_experts)] for m in range(M)]
+            self.standin = [[pack_expert(self.store.fetch(m, e), STANDIN_SPEC).to(self.device)
+                             for e in range(self.num_experts)] for m in range(M)]
         core.t_origin = time.perf_counter()
         self._lock = threading.Lock()  # one forward at a time
         self._closed = False
         for m, e, slot in core.preload():
             self.engine.load_now(m, e, slot, core.spec(m, "cache"), timed=False)
         self._prev_impl = hookup.attach(self.adapter, self)
-        self._hooks = [model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+        self._gate_inputs: dict[int, torch.Tensor] = {}  # this forward's gate input per MoE layer (router input)
+        self._hooks = [self.adapter.gate_input_hook(m, self._gate_inputs.__setitem__) for m in range(M)]
+        self._hooks += [model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                        model.register_forward_hook(self._post_forward, always_call=True)]
 
     # --- what the rest of the suite reads ----------------------------------------------
@@ -214,10 +244,10 @@ class Runtime:
 
         try:
             order = self.core.run_layer(LayerCall(
-                m, call.idx_host, call.compute, gate_input=hidden_states, timed=timed,
+                m, call.idx_host, call.compute, gate_input=self._gate_inputs.pop(m, hidden_states), timed=timed,
                 weights=top_k_weights.detach().to("cpu") if self.core.miss_policy is not None else None))
-        except TransferError:  # the link is gone: give the caller its model back, then fail loudly
-            self.close()
+        except (TransferError, CheckpointError):  # the link or the checkpoint is gone: give the caller its model
+            self.close()  # back, then fail loudly
             raise
         self.stats.layers[m][self.core.phase].compute_s += time.perf_counter() - t_call
         return call.output(order)
@@ -260,7 +290,7 @@ class Runtime:
 
     @property
     def gate_up_slots(self) -> torch.Tensor:
-        """Full-precision gate_up slots [S, 2I, H] (the fp scratch under packed slots)."""
+        """Full-precision gate_up slots [S, R, H] (the fp scratch under packed slots)."""
         return self.slots.gate_up_scratch if isinstance(self.slots, PackedSlots) else self.slots.gate_up
 
     def device_tensors(self) -> list[torch.Tensor]:
@@ -293,24 +323,35 @@ class Runtime:
                 "standin_bytes": self.standin_bytes}
 
     def close(self, restore: bool = True) -> None:
-        """Stop the transfer worker(s), unplug from the model; restore=True puts the fused experts back."""
+        """Stop the transfer worker(s), unplug from the model; restore=True gives the caller back its own expert
+        Parameters (on a CPU the very tensors taken; on an accelerator the same Parameters refilled from the RAM
+        store's host copy, never from a file). A model opened with `load_offloaded` has no copy to give back:
+        its experts stay empty and every later call of the model says so."""
         if self._closed:
             return
         self._closed = True
         self.engine.close()
         for h in self._hooks:
             h.remove()
-        hookup.detach(self.adapter, self._prev_impl if restore else None)
-        self.slots = None  # the slots go before the fused tensors come back
+        no_experts = None if self.experts_in_memory else (
+            f"this {self.adapter.family} model was opened with fate_lab.load_offloaded and its Runtime is closed: its "
+            "routed experts live only in the checkpoint, so the model cannot run any more; open it again with "
+            "load_offloaded(path, config)")
+        hookup.detach(self.adapter, self._prev_impl if restore else None, no_experts)
+        self.slots = None  # the slots go before the experts come back
         if restore:
             self._give_back()
 
     def _give_back(self) -> None:
-        """The experts go back into the model: the very tensors taken (CPU), or copies from the host store."""
-        if self._taken is not None:
+        """The experts go back into the model: the very tensors taken (CPU), the same Parameters refilled from the
+        RAM store (an accelerator), or nothing where no copy exists (load_offloaded)."""
+        if not self.experts_in_memory:
+            return  # load_offloaded: no copy exists
+        if self._taken.on_host:
             hookup.put_back(self.adapter, self._taken)
-        else:
-            hookup.restore_fused_experts(self.adapter, self.store, self.device)
+            return
+        base = getattr(self.store, "base", self.store)  # the full-precision tier under packed copies
+        hookup.restore_fused_experts(self.adapter, base, self._taken, self.device)
 
     def __enter__(self) -> "Runtime":
         return self
@@ -331,6 +372,14 @@ class Runtime:
                 self.engine.close()
         except Exception:
             pass
+
+
+def _device_of(model: nn.Module, adapter: MoEAdapter) -> torch.device:
+    """The device the model computes on: its experts' (unless they are on meta), else its first real parameter's."""
+    t = adapter.expert(0, 0).gate_up
+    if not t.is_meta:
+        return t.device
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
 
 
 def offload(model: nn.Module, config: OffloadConfig | None = None) -> Runtime:

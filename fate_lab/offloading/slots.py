@@ -1,12 +1,15 @@
 """Device expert slots: where offloaded experts live on the device, full precision or packed.
 
-What this file is: one interface, `DeviceSlots` (`write` a host expert into a slot, `weights`
-of a slot for the compute, `tensors` for the memory accounting), and its two variants:
-- `FullSlots`: two fused tensors `[S, 2I, H]` and `[S, H, I]` in the model's dtype; a packed
-  (quantized) host copy written into one is dequantized on the device on the way in;
+What this file is: one interface, `DeviceSlots` (`write` a host expert into a slot, `weights` of a
+slot for the compute, `tensors` for the memory accounting), and its two variants, for every experts
+layout (one expert's tensors named and shaped as `ModelShape.expert_shapes()` gives them: gate_up
+[R, H], down [H, I], and gate_up_bias [R], down_bias [H] where the family has biases):
+- `FullSlots`: one tensor [S, *shape] per expert tensor, in the model's dtype; a packed (quantized)
+  host copy written into one is dequantized on the device on the way in;
 - `PackedSlots`: one uint8 pool `[S, slot_bytes]` that keeps experts in their packed form
-  (codes + fp16 scales/zeros, a per-precision byte layout, segments 8-byte aligned); `weights`
-  dequantizes a slot into a full-precision scratch right before the expert computes.
+  (codes + fp16 scales/zeros of the two projections, the biases at full precision beside them, a
+  per-precision byte layout, segments 8-byte aligned); `weights` dequantizes a slot into a
+  full-precision scratch right before the expert computes.
 `SlotWriter` pairs a host store with a `DeviceSlots` (what a transfer engine calls).
 What it is not: it decides nothing (which expert goes where is `cache.py`) and moves nothing
 on its own schedule (the engines in `transfer.py` call `write`).
@@ -14,24 +17,27 @@ on its own schedule (the engines in `transfer.py` call `write`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
-from fate_lab.offloading.store import ExpertTensors, HostStore, PackedExpert
-from fate_lab.core.sizing import aligned, layout_bytes
-from fate_lab.quant import QuantSpec, QuantizedTensor, packed_nbytes
+from fate_lab.core.sizing import aligned, layout_bytes, segment_bytes
+from fate_lab.model.experts import ExpertWeights
+from fate_lab.offloading.store import HostStore
+from fate_lab.quant import PackedExpert, QuantizedTensor, QuantSpec
+
 
 
 class DeviceSlots:
     """Interface of the device slots (see the module docstring)."""
 
-    def write(self, slot: int, src: ExpertTensors | PackedExpert, spec: QuantSpec | None,
+    def write(self, slot: int, src: ExpertWeights | PackedExpert, spec: QuantSpec | None,
               non_blocking: bool) -> None:  # pragma: no cover - interface
         """Copy a host expert (full precision for spec None, else packed at spec) into slot."""
         raise NotImplementedError
 
-    def weights(self, slot: int, scratch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover
-        """(gate_up [2I, H], down [H, I]) of the expert in slot at full precision, for the compute."""
+    def weights(self, slot: int, scratch: int = 0) -> ExpertWeights:  # pragma: no cover
+        """The expert in slot at full precision (canonical ExpertWeights), for the compute."""
         raise NotImplementedError
 
     def tensors(self) -> list[torch.Tensor]:  # pragma: no cover - interface
@@ -39,7 +45,7 @@ class DeviceSlots:
         raise NotImplementedError
 
     def fp_nbytes(self) -> int:  # pragma: no cover - interface
-        """Bytes of one expert at full precision (what a transfer with spec None moves)."""
+        """Bytes of one expert at full precision, biases included (what a transfer with spec None moves)."""
         raise NotImplementedError
 
     @property
@@ -54,39 +60,50 @@ class DeviceSlots:
 
 
 class FullSlots(DeviceSlots):
-    """Full-precision slots: gate_up [S, 2I, H] and down [S, H, I] in the model's dtype."""
+    """Full-precision slots: one tensor [S, *shape] per expert tensor (gate_up [S, R, H], down [S, H, I], ...)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
-        self.gate_up, self.down = gate_up, down  # (S, 2I, H), (S, H, I)
+    def __init__(self, slots: Mapping[str, torch.Tensor]):
+        self.slots = dict(slots)  # name -> (S, *shape)
 
     @classmethod
-    def empty(cls, n_slots: int, gate_up_shape: tuple[int, int], down_shape: tuple[int, int], dtype: torch.dtype,
-              device: torch.device | str) -> "FullSlots":
-        """Allocate n_slots slots once."""
-        return cls(torch.empty(n_slots, *gate_up_shape, dtype=dtype, device=device),
-                   torch.empty(n_slots, *down_shape, dtype=dtype, device=device))
+    def empty(cls, n_slots: int, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+              device: torch.device | str) -> FullSlots:
+        """Allocate n_slots slots once, one tensor per entry of shapes (`ModelShape.expert_shapes()`)."""
+        return cls({n: torch.empty(n_slots, *shape, dtype=dtype, device=device) for n, shape in shapes.items()})
 
-    def write(self, slot: int, src: ExpertTensors | PackedExpert, spec: QuantSpec | None, non_blocking: bool) -> None:
+    @property
+    def gate_up(self) -> torch.Tensor:
+        """The up (or gate-and-up) projections of every slot [S, R, H]."""
+        return self.slots["gate_up"]
+
+    @property
+    def down(self) -> torch.Tensor:
+        """The down projections of every slot [S, H, I]."""
+        return self.slots["down"]
+
+    def write(self, slot: int, src: ExpertWeights | PackedExpert, spec: QuantSpec | None, non_blocking: bool) -> None:
         """Copy a full-precision expert into slot; a packed one travels packed and is dequantized there."""
         if isinstance(src, PackedExpert):
             dev = src.to(self.gate_up.device, non_blocking=non_blocking)  # only packed bytes travel
-            dev.gate_up.dequantize(out=self.gate_up[slot])  # (2I, H) on the device
+            dev.gate_up.dequantize(out=self.gate_up[slot])  # (R, H) on the device
             dev.down.dequantize(out=self.down[slot])  # (H, I)
+            for name, b in dev.biases().items():
+                self.slots[name][slot].copy_(b)
             return
-        self.gate_up[slot].copy_(src.gate_up, non_blocking=non_blocking)  # (2I, H)
-        self.down[slot].copy_(src.down, non_blocking=non_blocking)  # (H, I)
+        for name, t in src.tensors().items():
+            self.slots[name][slot].copy_(t, non_blocking=non_blocking)  # (R, H), (H, I), biases
 
-    def weights(self, slot: int, scratch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self, slot: int, scratch: int = 0) -> ExpertWeights:
         """The slot's tensors, used in place."""
-        return self.gate_up[slot], self.down[slot]
+        return ExpertWeights(**{n: t[slot] for n, t in self.slots.items()})
 
     def tensors(self) -> list[torch.Tensor]:
-        """[gate_up, down]."""
-        return [self.gate_up, self.down]
+        """One tensor per expert tensor name."""
+        return list(self.slots.values())
 
     def fp_nbytes(self) -> int:
         """Bytes of one slot."""
-        return self.gate_up[0].numel() * self.gate_up.element_size() + self.down[0].numel() * self.down.element_size()
+        return sum(t[0].numel() * t.element_size() for t in self.slots.values())
 
 
 _SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -118,37 +135,33 @@ def _dequantize_into(q: QuantizedTensor, out: torch.Tensor) -> torch.Tensor:
 class PackedSlots(DeviceSlots):
     """Device slots that hold experts in their packed form: one uint8 pool [S, slot_bytes].
 
-    A slot holds one expert at any precision in `specs` (None: full precision in `dtype`), laid
-    out as gate_up (codes, fp16 scale, fp16 zero) then down (codes, scale, zero), each segment
-    8-byte aligned; `slot_bytes` is the largest layout. `spec_of[slot]` is the precision the slot
-    holds now (set when a transfer writes it). `weights(slot)` dequantizes into the fp scratch
-    [n_scratch, 2I, H] / [n_scratch, H, I] (a full-precision slot is used in place).
+    A slot holds one expert at any precision in `specs` (None: full precision in `dtype`), laid out
+    tensor after tensor in the order of `shapes` -- a projection as codes, fp16 scale, fp16 zero (or its
+    weights at full precision), a bias always at full precision -- each segment 8-byte aligned;
+    `slot_bytes` is the largest layout. `spec_of[slot]` is the precision the slot holds now (set when a
+    transfer writes it). `weights(slot)` dequantizes the projections into the fp scratch
+    [n_scratch, R, H] / [n_scratch, H, I] (a full-precision slot is used in place).
     """
 
-    def __init__(self, gate_up_shape: tuple[int, int], down_shape: tuple[int, int], specs, dtype: torch.dtype,
-                 n_slots: int, n_scratch: int, device: torch.device | str):
-        self.shapes = {"gate_up": tuple(gate_up_shape), "down": tuple(down_shape)}
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], specs, dtype: torch.dtype, n_slots: int,
+                 n_scratch: int, device: torch.device | str):
+        self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.dtype = dtype
         self._layouts: dict[QuantSpec | None, dict] = {s: self._layout(s) for s in dict.fromkeys(specs)}
         self.slot_bytes = max(lay["bytes"] for lay in self._layouts.values())
-        assert self.slot_bytes == max(layout_bytes(gate_up_shape, down_shape, s, dtype) for s in self._layouts)
+        assert self.slot_bytes == max(layout_bytes(self.shapes, s, dtype) for s in self._layouts)
         self.pool = torch.empty(n_slots, self.slot_bytes, dtype=torch.uint8, device=device)  # (S, slot_bytes)
-        self.gate_up_scratch = torch.empty(n_scratch, *gate_up_shape, dtype=dtype, device=device)  # (n, 2I, H)
-        self.down_scratch = torch.empty(n_scratch, *down_shape, dtype=dtype, device=device)  # (n, H, I)
+        self.gate_up_scratch = torch.empty(n_scratch, *self.shapes["gate_up"], dtype=dtype, device=device)  # (n, R, H)
+        self.down_scratch = torch.empty(n_scratch, *self.shapes["down"], dtype=dtype, device=device)  # (n, H, I)
         self.spec_of: list[QuantSpec | None] = [None] * n_slots
 
     def _layout(self, spec: QuantSpec | None) -> dict:
         off, out = 0, {}
         for name, shape in self.shapes.items():
-            numel = math.prod(shape)
-            if spec is None:
-                n = numel * self.dtype.itemsize
-                out[name] = {"w": (off, n)}
-                off += aligned(n)
-                continue
+            sizes = segment_bytes(name, shape, spec, self.dtype)
+            parts = ("w",) if len(sizes) == 1 else ("packed", "scale", "zero")
             segs = {}
-            for part, n in (("packed", packed_nbytes(numel, spec.bits)), ("scale", numel // spec.group_size * 2),
-                            ("zero", numel // spec.group_size * 2)):
+            for part, n in zip(parts, sizes):
                 segs[part] = (off, n)
                 off += aligned(n)
             out[name] = segs
@@ -163,13 +176,13 @@ class PackedSlots(DeviceSlots):
         off, n = seg
         return self.pool[slot, off:off + n]  # (n,) uint8
 
-    def view(self, slot: int) -> PackedExpert | ExpertTensors:
+    def view(self, slot: int) -> PackedExpert | ExpertWeights:
         """The slot's contents as device tensors (views of the pool), at the precision it holds."""
         spec = self.spec_of[slot]
         lay = self._layouts[spec]
         parts = {}
         for name, shape in self.shapes.items():
-            if spec is None:
+            if "w" in lay[name]:
                 parts[name] = self._seg(slot, lay[name]["w"]).view(self.dtype).view(shape)
                 continue
             grouped = (*shape[:-1], shape[-1] // spec.group_size)
@@ -177,17 +190,16 @@ class PackedSlots(DeviceSlots):
                 self._seg(slot, lay[name]["packed"]),
                 self._seg(slot, lay[name]["scale"]).view(torch.float16).view(grouped),
                 self._seg(slot, lay[name]["zero"]).view(torch.float16).view(grouped), shape, spec)
-        cls = ExpertTensors if spec is None else PackedExpert
-        return cls(parts["gate_up"], parts["down"])
+        return (ExpertWeights if spec is None else PackedExpert)(**parts)
 
-    def write(self, slot: int, src: PackedExpert | ExpertTensors, spec: QuantSpec | None, non_blocking: bool) -> None:
+    def write(self, slot: int, src: PackedExpert | ExpertWeights, spec: QuantSpec | None, non_blocking: bool) -> None:
         """Copy a host expert's bytes (packed, or full precision for spec None) into slot, as they are."""
         if spec not in self._layouts:
             raise ValueError(f"these packed slots hold {list(self._layouts)}, not {spec}")
         lay = self._layouts[spec]
         for name in self.shapes:
             t = getattr(src, name)
-            if spec is None:
+            if "w" in lay[name]:
                 self._seg(slot, lay[name]["w"]).view(self.dtype).copy_(t.reshape(-1), non_blocking=non_blocking)
                 continue
             self._seg(slot, lay[name]["packed"]).copy_(t.packed.reshape(-1), non_blocking=non_blocking)
@@ -196,21 +208,19 @@ class PackedSlots(DeviceSlots):
                     getattr(t, part).reshape(-1), non_blocking=non_blocking)
         self.spec_of[slot] = spec
 
-    def weights(self, slot: int, scratch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) of the expert in slot at full precision, for the compute."""
+    def weights(self, slot: int, scratch: int = 0) -> ExpertWeights:
+        """The expert in slot at full precision (projections dequantized into the scratch), for the compute."""
         v = self.view(slot)
-        if isinstance(v, ExpertTensors):
-            return v.gate_up, v.down
+        if isinstance(v, ExpertWeights):
+            return v
         gu, dn = self.gate_up_scratch[scratch], self.down_scratch[scratch]
-        _dequantize_into(v.gate_up, gu)  # (2I, H) dequantized on the device
+        _dequantize_into(v.gate_up, gu)  # (R, H) dequantized on the device
         _dequantize_into(v.down, dn)  # (H, I)
-        return gu, dn
-
+        return ExpertWeights(gu, dn, **v.biases())
 
     def fp_nbytes(self) -> int:
-        """Bytes of one expert at full precision (the scratch's size)."""
-        return self.gate_up_scratch[0].numel() * self.gate_up_scratch.element_size() + \
-            self.down_scratch[0].numel() * self.down_scratch.element_size()
+        """Bytes of one expert at full precision, biases included."""
+        return sum(math.prod(s) for s in self.shapes.values()) * self.dtype.itemsize
 
 
 class SlotWriter:

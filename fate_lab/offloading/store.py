@@ -1,71 +1,44 @@
 """Host store: where every routed expert's weights live while they are off the device.
 
-What this file is: two tiers behind one small interface, `fetch(m, e) -> ExpertTensors`
-(the expert's fused-layout rows: gate_up [2I, H], down [H, I]):
-- `RamStore`: one contiguous host copy per expert, pinned when a CUDA device is used (so the
-  copy engine can DMA asynchronously);
-- `SafetensorsStore`: the SSD tier; each fetch opens the checkpoint with `safe_open`
-  (memory-mapped) and reads only that expert's tensors (per-expert keys as HF writes them,
-  Mixtral's w1/w3/w2 names, or fused `gate_up_proj`/`down_proj` keys read by slice);
-- `QuantizedStore`: wraps either tier and adds packed copies (`PackedExpert`, one per
-  precision a `quant.QuantPolicy` names for the layer, `policy.host_specs(m)`), read with
-  `fetch_at(m, e, spec)`. Fate keeps an INT4 and an INT2 copy of every expert on the host; so
-  does this store under the `fate` policy. The packed copies always live in RAM (pinned on
-  CUDA), also over the SSD tier: quantizing at load time, not writing packed files, is a
-  simplification of ours.
+What this file is: two tiers behind one small interface, `fetch(m, e) -> ExpertWeights` (the expert's
+canonical tensors, `model.experts`: up or gate-and-up [R, H], down [H, I], and biases where the family has
+them), for every experts layout the model side serves:
+- `RamStore`: every expert in host RAM, read through `MoEAdapter.expert(m, e)`: on a CPU the model's own
+  bytes (views, no copy), on an accelerator a contiguous copy, pinned on CUDA (so the copy engine can DMA
+  asynchronously);
+- `SafetensorsStore`: the SSD tier; each fetch reads only that expert's bytes from the checkpoint through
+  `model.checkpoint.ExpertIndex` (memory-mapped `safe_open`; per-expert keys, fused tensors read by slice,
+  transformers' own renamings). It never computes with other weights than the ones it was opened on: at
+  open it takes a full-content digest of every expert (`digest.expert_digest`) from the model's own tensors
+  and refuses a checkpoint whose experts differ (naming the file, the expert and the first differing row),
+  or -- opened from the checkpoint alone (`load_offloaded`), where no other copy exists -- from the file,
+  refusing non-finite values; every later read is digested again and refused (`CheckpointError`) if it
+  changed since;
+- `QuantizedStore`: wraps either tier and adds packed copies (`quant.PackedExpert`, one per precision a
+  `quant.QuantPolicy` names for the layer, `policy.host_specs(m)`), read with `fetch_at(m, e, spec)`. Fate
+  keeps an INT4 and an INT2 copy of every expert on the host; so does this store under the `fate` policy.
+  The packed copies always live in RAM (pinned on CUDA), also over the SSD tier: quantizing at load time,
+  not writing packed files, is a simplification of ours.
 
 What it is not: it owns no device memory and no thread; the transfer engine moves the bytes.
 """
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from fate_lab.quant import QuantSpec, QuantizedTensor, quantize
+from fate_lab.model.checkpoint import ExpertIndex
+from fate_lab.model.experts import ExpertWeights
+from fate_lab.offloading.digest import expert_digest, first_difference, nonfinite
+from fate_lab.quant import PackedExpert, QuantSpec, pack_expert
 
-
-@dataclass(frozen=True)
-class ExpertTensors:
-    """One expert's weights in the fused layout the HF experts modules use."""
-
-    gate_up: torch.Tensor  # (2I, H) gate rows stacked over up rows
-    down: torch.Tensor  # (H, I)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of both tensors."""
-        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+__all__ = ["CheckpointError", "ExpertWeights", "HostStore", "PackedExpert", "QuantizedStore", "RamStore",
+           "SafetensorsStore"]
 
 
-@dataclass(frozen=True)
-class PackedExpert:
-    """One expert quantized: packed codes + fp16 scale/zero of its fused-layout tensors."""
-
-    gate_up: QuantizedTensor  # (2I, H) groups along H
-    down: QuantizedTensor  # (H, I) groups along I
-
-    @property
-    def nbytes(self) -> int:
-        """Packed bytes of both tensors, scales and zeros included (what travels)."""
-        return self.gate_up.nbytes() + self.down.nbytes()
-
-    @property
-    def spec(self) -> QuantSpec:
-        """The precision both tensors are at."""
-        return self.gate_up.spec
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedExpert":
-        """A copy on device: the packed bytes move, not dequantized weights."""
-        return PackedExpert(self.gate_up.to(device, non_blocking), self.down.to(device, non_blocking))
-
-    def pin_memory(self) -> "PackedExpert":
-        """A copy in page-locked host memory."""
-        return PackedExpert(self.gate_up.pin_memory(), self.down.pin_memory())
+class CheckpointError(RuntimeError):
+    """The SSD tier read an expert that is not the one it verified (the file changed, vanished or is corrupt)."""
 
 
 class HostStore:
@@ -75,11 +48,11 @@ class HostStore:
     num_moe_layers: int
     num_experts: int
 
-    def fetch(self, m: int, e: int) -> ExpertTensors:  # pragma: no cover - interface
-        """Host tensors of expert e of MoE layer m."""
+    def fetch(self, m: int, e: int) -> ExpertWeights:  # pragma: no cover - interface
+        """Host tensors of expert e of MoE layer m (canonical layout)."""
         raise NotImplementedError
 
-    def fetch_at(self, m: int, e: int, spec: QuantSpec | None) -> ExpertTensors | PackedExpert:
+    def fetch_at(self, m: int, e: int, spec: QuantSpec | None) -> ExpertWeights | PackedExpert:
         """Expert e of MoE layer m at a precision: None is full precision (`fetch`)."""
         if spec is None:
             return self.fetch(m, e)
@@ -90,47 +63,49 @@ class HostStore:
         """Bytes of the packed copy of (m, e) at spec (what a quantized transfer moves)."""
         return self.fetch_at(m, e, spec).nbytes
 
-    def layer(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All experts of MoE layer m fused back: (gate_up [E, 2I, H], down [E, H, I])."""
-        parts = [self.fetch(m, e) for e in range(self.num_experts)]
-        return torch.stack([p.gate_up for p in parts]), torch.stack([p.down for p in parts])
-
     def describe(self) -> str:
         """A short name of the tier for outputs."""
         return self.tier
 
 
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A contiguous host copy of t (page-locked if pin)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    out.copy_(t.detach())
+    return out
+
+
 class RamStore(HostStore):
-    """Experts in host RAM, one contiguous (optionally pinned) pair of tensors per expert."""
+    """Experts in host RAM, one `ExpertWeights` per expert (the model's own bytes on a CPU, else a copy)."""
 
     tier = "ram"
 
-    def __init__(self, experts: list[list[ExpertTensors]], pinned: bool):
+    def __init__(self, experts: list[list[ExpertWeights]], pinned: bool):
         self._experts = experts  # [m][e]
         self.pinned = pinned
         self.num_moe_layers = len(experts)
         self.num_experts = len(experts[0])
 
     @classmethod
-    def from_adapter(cls, adapter, pin: bool = False) -> "RamStore":
-        """Every expert of the model in host RAM: views of the fused tensors when they already live in
-        host memory and need no pinning (no copy), else a (pinned if pin) host copy."""
-
-        def host(t: torch.Tensor) -> torch.Tensor:
-            if t.device.type == "cpu" and not pin:
-                return t.detach()  # a view: the model's own bytes, not a second copy
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            out.copy_(t.detach())
-            return out
-
+    def from_adapter(cls, adapter, pin: bool = False) -> RamStore:
+        """Every expert of the model in host RAM: views of the module tensors when they already live in host
+        memory and need no pinning (no copy), else a contiguous (pinned if pin) host copy."""
         layers = []
         for m in range(adapter.num_moe_layers):
-            mod = adapter.experts_module(m)
-            layers.append([ExpertTensors(host(mod.gate_up_proj[e]), host(mod.down_proj[e]))
-                           for e in range(adapter.num_experts)])
+            row = []
+            for e in range(adapter.num_experts):
+                w = adapter.expert(m, e)  # views of the module's tensors
+                if any(t.is_meta for t in w.tensors().values()):
+                    raise ValueError(f"{adapter.family}: the experts of MoE layer {m} are on the meta device (no "
+                                     "bytes; e.g. opened with load_offloaded): store='ram' cannot hold them; use "
+                                     "store='ssd' with the checkpoint folder")
+                keep = all(t.device.type == "cpu" for t in w.tensors().values()) and not pin
+                row.append(ExpertWeights(**{n: t.detach() if keep else _host_copy(t, pin)
+                                            for n, t in w.tensors().items()}))
+            layers.append(row)
         return cls(layers, pinned=pin)
 
-    def fetch(self, m: int, e: int) -> ExpertTensors:
+    def fetch(self, m: int, e: int) -> ExpertWeights:
         """The stored tensors themselves (no copy)."""
         return self._experts[m][e]
 
@@ -139,124 +114,87 @@ class RamStore(HostStore):
         return "ram (pinned)" if self.pinned else "ram"
 
 
-_PER_EXPERT = re.compile(r"^(?P<pre>.*)layers\.(?P<i>\d+)\.(?P<blk>mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
-                         r"(?P<w>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_FUSED = re.compile(r"^(?P<pre>.*)layers\.(?P<i>\d+)\.mlp\.experts\.(?P<w>gate_up_proj|down_proj)$")
-_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-
-
 class SafetensorsStore(HostStore):
-    """The SSD tier: reads one expert at a time from the checkpoint's safetensors file(s)."""
+    """The SSD tier: reads one expert at a time from the checkpoint, each read checked against its digest."""
 
     tier = "ssd"
 
-    def __init__(self, path: str | Path, moe_layers: list[int], num_experts: int, dtype: torch.dtype):
-        """path: a .safetensors file or a checkpoint folder; moe_layers: decoder index per MoE layer."""
-        self.path = Path(path)
-        self.dtype = dtype
-        self.num_moe_layers = len(moe_layers)
-        self.num_experts = num_experts
-        files = self._files()
-        per_expert: dict[tuple[int, int, str], tuple[Path, str]] = {}
-        fused: dict[tuple[int, str], tuple[Path, str]] = {}
-        for file, keys in files.items():
-            for key in keys:
-                if (mt := _PER_EXPERT.match(key)) is not None:
-                    per_expert[int(mt["i"]), int(mt["e"]), _ROLE[mt["w"]]] = (file, key)
-                elif (mt := _FUSED.match(key)) is not None:
-                    fused[int(mt["i"]), mt["w"]] = (file, key)
-        self._keys: list[list[dict]] = []
-        for i in moe_layers:
-            row = []
-            for e in range(num_experts):
-                if all((i, e, r) in per_expert for r in ("gate", "up", "down")):
-                    row.append({r: per_expert[i, e, r] for r in ("gate", "up", "down")})
-                elif (i, "gate_up_proj") in fused and (i, "down_proj") in fused:
-                    row.append({"fused": (fused[i, "gate_up_proj"], fused[i, "down_proj"])})
+    def __init__(self, index: ExpertIndex, num_moe_layers: int, num_experts: int, digests: list[list[int]],
+                 reference: str):
+        """Use `SafetensorsStore.open`; digests[m][e] is what every read of (m, e) must hash to."""
+        self.index, self.path = index, Path(index.folder)
+        self.num_moe_layers, self.num_experts = num_moe_layers, num_experts
+        self.digests = digests
+        self.reference = reference  # "model": digests of the in-memory model's tensors; "file": of the file at open
+
+    @classmethod
+    def open(cls, adapter, checkpoint: str | Path, index: ExpertIndex | None = None, progress: bool = False
+             ) -> SafetensorsStore:
+        """The SSD tier over checkpoint for the adapted model, verified in full before anything is freed.
+
+        With the model's experts in memory, every expert read from the file must hash to the digest of the
+        model's own tensors (ValueError naming the file, the expert and where it differs). With them on the
+        meta device (`load_offloaded`: the file is the only copy) the digests are taken from the file, and an
+        expert holding NaN/inf is refused. Costs one full read of the checkpoint's experts."""
+        from tqdm.auto import tqdm
+
+        if index is None:
+            index = ExpertIndex.build(adapter.model, checkpoint)
+        if index.refusal() is not None:
+            raise NotImplementedError(index.refusal())
+        M, E = adapter.num_moe_layers, adapter.num_experts
+        meta = any(t.is_meta for t in adapter.expert(0, 0).tensors().values())
+        digests = []
+        bar = tqdm(total=M * E, desc="verify checkpoint", unit="expert", disable=not progress)
+        for m in range(M):
+            row, layout = [], adapter.layouts[m]
+            for e in range(E):
+                where = f"checkpoint {index.folder} ({', '.join(p.name for p in index.files(m, e))})"
+                try:
+                    theirs = index.read(m, e)
+                except (KeyError, ValueError) as exc:
+                    raise ValueError(f"{where}: expert {e} of MoE layer {m} cannot be read as this model's: "
+                                     f"{exc}") from exc
+                d = expert_digest(theirs)
+                if meta:
+                    bad = nonfinite(theirs)
+                    if bad is not None:
+                        raise ValueError(f"{where}: expert {e} of MoE layer {m}: {bad}; the checkpoint is "
+                                         "corrupt: re-export or re-copy it")
                 else:
-                    raise ValueError(
-                        f"{self.path}: no weights for expert {e} of decoder layer {i}; expected keys like "
-                        f"'model.layers.{i}.mlp.experts.{e}.gate_proj.weight'. Is this the model's checkpoint?"
-                    )
-            self._keys.append(row)
+                    mine = adapter.expert(m, e)
+                    if expert_digest(mine) != d:
+                        field, how = first_difference(mine, theirs)
+                        if field is not None:
+                            where = f"checkpoint {index.folder} ({index.where(m, e, layout.tensor_names()[field])})"
+                        raise ValueError(
+                            f"{where}: expert {e} of MoE layer {m} differs from the in-memory model's ({how}): the "
+                            "checkpoint is not these weights (edited, corrupt or another model); save the model "
+                            "(save_pretrained) and pass that folder")
+                row.append(d)
+                bar.update(1)
+            digests.append(row)
+        bar.close()
+        return cls(index, M, E, digests, "file" if meta else "model")
 
-    def _files(self) -> dict[Path, list[str]]:
-        """Each safetensors file of the checkpoint with the keys it holds."""
-        if self.path.is_file():
-            paths = [self.path]
-        else:
-            index = self.path / "model.safetensors.index.json"
-            if index.exists():
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-                paths = [self.path / n for n in names]
-            else:
-                paths = sorted(self.path.glob("*.safetensors"))
-        if not paths:
-            raise FileNotFoundError(f"no .safetensors file at {self.path}; save the model with save_pretrained first")
-        out = {}
-        for p in paths:
-            with safe_open(str(p), framework="pt") as f:
-                out[p] = list(f.keys())
-        return out
+    def fetch(self, m: int, e: int) -> ExpertWeights:
+        """Read expert e of MoE layer m from disk (only its bytes are touched), refused unless it hashes to the
+        digest taken at open."""
+        try:
+            w = self.index.read(m, e)
+        except Exception as exc:  # a vanished, truncated or replaced file: name it and the expert
+            raise CheckpointError(f"cannot read expert {e} of MoE layer {m} from {self._where(m, e)}: {exc!r}; "
+                                  "the checkpoint changed or vanished while offloaded") from exc
+        if expert_digest(w) != self.digests[m][e]:
+            bad = nonfinite(w)
+            raise CheckpointError(
+                f"expert {e} of MoE layer {m} read from {self._where(m, e)} is not the expert verified at offload "
+                f"(its digest changed{'; ' + bad if bad else ''}): the checkpoint was edited, swapped or corrupted "
+                "while offloaded; fate_lab refuses to compute with it. Offload again from an unchanged checkpoint")
+        return w
 
-    def fetch(self, m: int, e: int) -> ExpertTensors:
-        """Read expert e of MoE layer m from disk (only its bytes are touched)."""
-        spec = self._keys[m][e]
-        if "fused" in spec:
-            (f_gu, k_gu), (f_d, k_d) = spec["fused"]
-            with safe_open(str(f_gu), framework="pt") as f:
-                gate_up = f.get_slice(k_gu)[e]  # (2I, H)
-            with safe_open(str(f_d), framework="pt") as f:
-                down = f.get_slice(k_d)[e]  # (H, I)
-        else:
-            parts = {}
-            for role, (file, key) in spec.items():
-                with safe_open(str(file), framework="pt") as f:
-                    parts[role] = f.get_tensor(key)
-            gate_up = torch.cat([parts["gate"], parts["up"]], dim=0)  # (2I, H)
-            down = parts["down"]  # (H, I)
-        return ExpertTensors(gate_up.to(self.dtype).contiguous(), down.to(self.dtype).contiguous())
-
-    def verify(self, adapter) -> None:
-        """Refuse a checkpoint that is not the in-memory model: every expert's keys, shapes, dtypes, and its
-        first and last rows (gate, up, down) must equal the model's; the error names the first difference.
-        Reads only those rows, so it is cheap enough to run at every offload."""
-        inter = adapter.expert_intermediate_size
-        for m in range(self.num_moe_layers):
-            mod = adapter.experts_module(m)
-            for e in range(self.num_experts):
-                mine = {"gate": mod.gate_up_proj[e, :inter], "up": mod.gate_up_proj[e, inter:], "down": mod.down_proj[e]}
-                spec = self._keys[m][e]
-                for role, ref in mine.items():
-                    if "fused" in spec:
-                        (f_gu, k_gu), (f_d, k_d) = spec["fused"]
-                        file, key = (f_d, k_d) if role == "down" else (f_gu, k_gu)
-                    else:
-                        file, key = spec[role]
-                    with safe_open(str(file), framework="pt") as f:
-                        sl = f.get_slice(key)
-                        shape = list(sl.get_shape())
-                        if "fused" in spec:
-                            want = [self.num_experts, *mod.gate_up_proj.shape[1:]] if role != "down" else \
-                                [self.num_experts, *mod.down_proj.shape[1:]]
-                        else:
-                            want = list(ref.shape)
-                        if shape != want:
-                            raise ValueError(f"checkpoint {file.name}: {key} has shape {shape}, the model's expert "
-                                             f"{e} of MoE layer {m} ({role}) {want}: not this model's checkpoint")
-                        if "fused" in spec:
-                            rows = sl[e]  # (2I, H) or (H, I)
-                            rows = rows[:inter] if role == "gate" else rows[inter:] if role == "up" else rows
-                            got = torch.stack([rows[0], rows[-1]])
-                        else:
-                            got = torch.cat([sl[0:1], sl[shape[0] - 1:shape[0]]])  # first and last rows only
-                    if got.dtype != ref.dtype and not torch.equal(got.to(ref.dtype).to(got.dtype), got):
-                        raise ValueError(f"checkpoint {file.name}: {key} is {got.dtype}, which {ref.dtype} cannot hold "
-                                         "exactly")
-                    if not torch.equal(got.to(ref.dtype), torch.stack([ref[0], ref[-1]]).detach().cpu()):
-                        raise ValueError(f"checkpoint {file.name}: {key} differs from the in-memory model's expert {e} "
-                                         f"of MoE layer {m} ({role}): the checkpoint is not these weights (edited "
-                                         "or another model); save the model (save_pretrained) and pass that folder")
+    def _where(self, m: int, e: int) -> str:
+        return f"{self.path} ({', '.join(p.name for p in self.index.files(m, e))})"
 
     def describe(self) -> str:
         """'ssd (<path>)'."""
@@ -283,18 +221,18 @@ class QuantizedStore(HostStore):
                 for e in range(self.num_experts):
                     src = base.fetch(m, e)
                     try:
-                        packed = PackedExpert(quantize(src.gate_up, spec), quantize(src.down, spec))
+                        packed = pack_expert(src, spec, name=f"expert {e} of MoE layer {m}")
                     except ValueError as exc:
                         raise ValueError(f"cannot quantize expert {e} of MoE layer {m} at {spec}: {exc}. Choose a "
                                          f"group size that divides hidden and expert width {tuple(src.down.shape)}"
                                          ) from exc
                     self._packed[m, e, spec] = packed.pin_memory() if pin else packed
 
-    def fetch(self, m: int, e: int) -> ExpertTensors:
+    def fetch(self, m: int, e: int) -> ExpertWeights:
         """Full-precision tensors, from the wrapped store."""
         return self.base.fetch(m, e)
 
-    def fetch_at(self, m: int, e: int, spec: QuantSpec | None) -> ExpertTensors | PackedExpert:
+    def fetch_at(self, m: int, e: int, spec: QuantSpec | None) -> ExpertWeights | PackedExpert:
         """The packed copy at spec (None: full precision from the wrapped store)."""
         if spec is None:
             return self.base.fetch(m, e)

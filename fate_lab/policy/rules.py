@@ -28,32 +28,43 @@ def scores_from_logits(logits: Tensor, scoring: str = "softmax") -> Tensor:
     raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
 
 
-def next_layer_scores(router_weight: Tensor, gate_input: Tensor, scoring: str = "softmax") -> Tensor:
-    """Fate's host-side step: layer l+1's router weight ``[E, H]`` (fp32, on the host) applied to
-    layer l's gate input ``[T, H]`` -> scores ``[T, E]``. The runtime and the simulator both call
-    this, with the same shapes, so their predicted sets agree bit for bit."""
+def next_layer_scores(router_weight: Tensor, gate_input: Tensor, scoring: str = "softmax",
+                      bias: Tensor | None = None) -> Tensor:
+    """Fate's host-side step: layer l+1's router weight ``[E, H]`` (fp32, on the host, plus its logit
+    bias ``[E]`` where the router has one) applied to layer l's gate input ``[T, H]`` -> scores ``[T, E]``.
+    The runtime and the simulator both call this, with the same shapes, so their predicted sets agree
+    bit for bit."""
     x = gate_input.detach().to("cpu", torch.float32)  # (T, H) the gate input goes to the host
-    return scores_from_logits(torch.nn.functional.linear(x, router_weight), scoring)  # (T, E)
+    return scores_from_logits(torch.nn.functional.linear(x, router_weight, bias), scoring)  # (T, E)
 
 
-def cross_layer_scores(gate_inputs: Tensor, router_weights: Sequence[Tensor], scoring: str = "softmax") -> Tensor:
-    """Fate's cross-layer gate: scores for layer l+1 from layer l's gate input, ``[N, L-1, E]``."""
+def cross_layer_scores(gate_inputs: Tensor, router_weights: Sequence[Tensor], scoring: str = "softmax",
+                       router_biases: Sequence[Tensor] | None = None) -> Tensor:
+    """Fate's cross-layer gate: scores for layer l+1 from layer l's gate input, ``[N, L-1, E]`` (plus each
+    router's logit bias ``[E]`` where given)."""
     N, L, H = gate_inputs.shape
     if len(router_weights) != L:
         raise ValueError(f"need one router weight [E, H] per MoE layer: got {len(router_weights)} for L={L}")
     logits = torch.stack(
-        [gate_inputs[:, l].float() @ router_weights[l + 1].float().T for l in range(L - 1)], dim=1
+        [gate_inputs[:, l].float() @ router_weights[l + 1].float().T
+         + (0.0 if router_biases is None else router_biases[l + 1].float()) for l in range(L - 1)], dim=1
     )  # (N, L-1, E)
     return scores_from_logits(logits, scoring)
 
 
 class RouterScores:
-    """Every MoE layer's router weight ``[E, H]`` in fp32 on the host, and how its logits become scores."""
+    """Every MoE layer's router weight ``[E, H]`` (and logit bias ``[E]``, if any) in fp32 on the host, and how
+    its logits become scores: the routers a trace's weights reproduce (linear ones)."""
 
-    def __init__(self, weights: Sequence[Tensor], scoring: str = "softmax"):
+    def __init__(self, weights: Sequence[Tensor], scoring: str = "softmax", biases: Sequence[Tensor | None] | None = None):
         if scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
         self.weights = [w.detach().to("cpu", torch.float32) for w in weights]  # each (E, H)
+        if biases is not None and len(biases) != len(self.weights):
+            raise ValueError(f"need one router bias (or None) per router weight: got {len(biases)} for "
+                             f"{len(self.weights)}")
+        self.biases = [None if b is None else b.detach().to("cpu", torch.float32).reshape(-1)
+                       for b in (biases or [None] * len(self.weights))]  # each (E,) or None
         self.scoring = scoring
 
     def __len__(self) -> int:
@@ -62,7 +73,7 @@ class RouterScores:
     def scores(self, m: int, gate_input: Tensor) -> Tensor:
         """Router m's scores ``[T, E]`` for a gate input ``[T, H]`` (layer m+1's router on layer m's input
         is Fate's prediction)."""
-        return next_layer_scores(self.weights[m], gate_input, self.scoring)
+        return next_layer_scores(self.weights[m], gate_input, self.scoring, self.biases[m])
 
 
 # ----------------------------------------------------------------------------- selection rules

@@ -335,17 +335,19 @@ def quantized_nbytes(shape: Iterable[int], spec: QuantSpec) -> int:
 
 # --- experts ------------------------------------------------------------------------------
 def quantize_expert(weights: Mapping[str, torch.Tensor], spec: QuantSpec) -> dict[str, QuantizedTensor]:
-    """Quantize one expert's {"gate" [I, H], "up" [I, H], "down" [H, I]} (MoEAdapter.expert_weights)."""
+    """Quantize each named matrix of one expert, e.g. {"gate": [I, H], "up": [I, H], "down": [H, I]}
+    (`MoEAdapter.expert_weights`); `quant.experts.pack_expert` packs an `ExpertWeights` of any layout."""
     return {name: quantize(w, spec, name=name) for name, w in weights.items()}
 
 
 def expert_nbytes(weights_or_shapes: Mapping[str, torch.Tensor | Iterable[int]], spec: QuantSpec | None,
                   dtype: torch.dtype = torch.float16) -> int:
-    """Bytes of one expert at spec; spec None means unquantized (tensors' own dtype, else dtype)."""
+    """Bytes of one expert at spec; spec None means unquantized (tensors' own dtype, else dtype). Entries
+    named ``*_bias`` stay unquantized at every spec (biases travel beside the packed weights)."""
     total = 0
-    for w in weights_or_shapes.values():
+    for name, w in weights_or_shapes.items():
         shape = tuple(w.shape) if isinstance(w, torch.Tensor) else tuple(w)
-        if spec is not None:
+        if spec is not None and not name.endswith("_bias"):
             total += quantized_nbytes(shape, spec)
         else:
             item = w.element_size() if isinstance(w, torch.Tensor) else dtype.itemsize

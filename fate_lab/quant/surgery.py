@@ -25,7 +25,9 @@ def quantize_model_experts(model: nn.Module, policy_or_spec: QuantPolicy | Quant
     """A deep copy of model whose routed experts are replaced by their dequantized weights.
 
     A QuantPolicy gives each MoE layer `policy.precision_for(m, reason)`; a QuantSpec applies to
-    all; `overrides[(m, e)]` sets single experts (e.g. misses of a replayed trace at INT2).
+    all; `overrides[(m, e)]` sets single experts (e.g. misses of a replayed trace at INT2). Every layout
+    is quantized on its canonical view (`MoEAdapter.expert`: groups along the input dim of each
+    projection, as the runtime's store packs it); biases stay at full precision.
     """
     from fate_lab.model.adapters import adapt
 
@@ -37,18 +39,15 @@ def quantize_model_experts(model: nn.Module, policy_or_spec: QuantPolicy | Quant
             layer_spec = policy_or_spec.precision_for(m, reason)
         else:
             layer_spec = policy_or_spec
-        for name in ("gate_up_proj", "down_proj"):  # (E, 2I, H), (E, H, I)
-            param = getattr(adapter.experts_module(m), name)
-            if layer_spec is not None:  # groups run along the last dim: whole tensor == per expert
-                q = quantize(param.data, layer_spec, name=f"MoE layer {m} {name}")
-                param.data.copy_(q.dequantize(param.dtype))
-            src = getattr(original.experts_module(m), name)  # the unquantized weights
-            for (mm, e), spec in overrides.items():
-                if mm == m and spec is None:
-                    param.data[e] = src[e]
-                elif mm == m:
-                    q = quantize(src[e], spec, name=f"MoE layer {m} expert {e} {name}")
-                    param.data[e] = q.dequantize(param.dtype)
+        for e in range(adapter.num_experts):
+            spec = overrides.get((m, e), layer_spec)
+            if spec is None:
+                continue  # the copy holds the original weights
+            mine, src = adapter.expert(m, e), original.expert(m, e)  # canonical views (R, H), (H, I)
+            for name in ("gate_up", "down"):  # groups along the input dim, as the runtime's store packs them
+                view = getattr(mine, name)
+                q = quantize(getattr(src, name), spec, name=f"MoE layer {m} expert {e} {name}")
+                view.copy_(q.dequantize(view.dtype))  # through the view: the module's own layout
     return q_model
 
 

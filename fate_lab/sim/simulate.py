@@ -28,7 +28,7 @@ from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.profiles import COMPUTE_PROFILES
 from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.setups import Hardware
-from fate_lab.model.trace import PREFILL, Trace
+from fate_lab.model.trace import PREFILL, Trace, router_scores
 from fate_lab.policy.cache import HOST
 from fate_lab.policy.lossy import LOWP
 from fate_lab.policy.registry import POLICIES
@@ -241,8 +241,9 @@ def needs_router(config: OffloadConfig) -> bool:
         getattr(POLICIES.get(config.replacement.lower()), "wants_scores", False)
 
 
-def check_trace(trace: Trace, config: OffloadConfig, shape: ModelShape) -> RouterScores | None:
-    """ValueError unless the trace fits the shape and holds what the config reads; the router it gives."""
+def check_trace(trace: Trace, config: OffloadConfig, shape: ModelShape, router=None) -> RouterScores | None:
+    """ValueError unless the trace fits the shape and holds what the config reads; the router it gives (router:
+    the model's own routers, `MoEAdapter.host_routers()`, for a router the trace's weights cannot reproduce)."""
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
     if not isinstance(trace, Trace):
@@ -260,18 +261,24 @@ def check_trace(trace: Trace, config: OffloadConfig, shape: ModelShape) -> Route
                          "(record_trace keeps them)")
     if not needs_router(config):
         return None
-    if trace.gate_inputs is None or trace.router_weights is None:
+    if trace.gate_inputs is None or (trace.router_weights is None and router is None
+                                     and trace.meta.get("router_linear") is not False):
         raise ValueError("the cross-layer gate predictor and score-reading replacement policies need a trace with "
                          "gate inputs and router weights (record it with record_trace); routing-only traces support "
                          "predictor=None or 'activation_path'")
-    return RouterScores([w.float() for w in trace.router_weights], shape.scoring)
+    if router is not None:
+        if len(router) != shape.num_moe_layers:
+            raise ValueError(f"router holds {len(router)} MoE layers' routers, the shape {shape.num_moe_layers}")
+        return router
+    return router_scores(trace)
 
 
 def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: ModelShape,
-             miss_curves=None) -> RunStats:
+             miss_curves=None, router=None) -> RunStats:
     """Run `config` over the trace on `hardware` (semantics in the module docstring); the predicted speeds are
-    the returned stats' `ttft_s` and `decode_tok_s`."""
-    router = check_trace(trace, config, shape)
+    the returned stats' `ttft_s` and `decode_tok_s`. router: the model's own routers (`MoEAdapter.host_routers()`),
+    needed where the trace's router weights cannot reproduce them (a non-linear router); default: the trace's."""
+    router = check_trace(trace, config, shape, router)
     sim = Simulator(config, hardware, shape, router=router, miss_curves=miss_curves)
     gi = trace.gate_inputs.float() if router is not None else None
     for a, b in trace_steps(trace):

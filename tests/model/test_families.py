@@ -279,8 +279,8 @@ def test_named_expert_facts_match_the_eager_source():
 def test_trace_records_any_router(family):
     """record_trace hooks the adapter's router (named `router` in gpt-oss, in the decoder layer in Gemma 4,
     an MLP in ZAYA); its routing equals what the experts calls received."""
-    from fate_lab.model.trace import cross_layer_scores
     from fate_lab.model.record import record_trace
+    from fate_lab.model.trace import cross_layer_scores
 
     model = tiny_model(family, seed=2)
     adapter = adapt(model)

@@ -236,3 +236,31 @@ def test_load_names_missing_tensors(tmp_path):
               metadata={"fate_lab_trace": '{"format_version": 1}'})
     with pytest.raises(ValueError, match=r"tensors \['token_ids', 'phase', 'prompt_id', 'position'\] are missing"):
         Trace.load(tmp_path / "partial.safetensors")
+
+
+def test_a_router_bias_is_recorded_and_reproduces_the_model_s_own_routers(tmp_path):
+    """gpt-oss's router adds a logit bias: the trace keeps it (through save/load), and the trace's routers score
+    every gate input bit for bit as the runtime's `host_routers()` do."""
+    from fate_lab.model.trace import router_scores
+
+    model = tiny_model("gpt_oss", seed=1)
+    adapter = adapt(model)
+    trace = record_trace(model, None, [[5, 6, 7, 8]], decode_tokens=3, progress=False)
+    assert trace.router_biases is not None and trace.router_biases.shape == (adapter.num_moe_layers, adapter.num_experts)
+    loaded = Trace.load(trace.save(tmp_path / "t.safetensors", gate_dtype=torch.float32))
+    assert torch.equal(loaded.router_biases, trace.router_biases) and loaded.meta["router_linear"] is True
+    mine, theirs = adapter.host_routers(), router_scores(loaded)
+    for m in range(adapter.num_moe_layers):
+        gi = loaded.gate_inputs[:, m]
+        assert torch.equal(mine.scores(m, gi), theirs.scores(m, gi))
+    without = Trace.load(trace.save(tmp_path / "u.safetensors", gate_dtype=torch.float32))
+    without.router_biases = None  # what a simulator without the bias would predict: not the runtime's scores
+    gi0 = loaded.gate_inputs[:, 0]
+    assert not torch.equal(mine.scores(0, gi0), router_scores(without).scores(0, gi0))
+
+
+def test_bf16_linear_routers_stay_linear_and_a_normalising_one_does_not():
+    """A bf16 router's product differs from the fp32 one by bf16 rounding: still a weight product (the simulator
+    reproduces it from the trace), while Gemma 4's normalised, scaled input never is."""
+    assert adapt(tiny_model("qwen2_moe", dtype=torch.bfloat16)).host_routers().is_linear(0)
+    assert not adapt(tiny_model("gemma4_text", dtype=torch.bfloat16)).host_routers().is_linear(0)

@@ -166,9 +166,9 @@ def test_ssd_store_reads_experts_from_safetensors(tmp_path, tiny_models):
 def test_emulated_link_overlaps_with_compute_and_holds_for_link_time(tiny_models):
     model = tiny_models("qwen2_moe", seed=0)
     store = RamStore.from_adapter(adapt(model))
-    slots = FullSlots.empty(2, store.fetch(0, 0).gate_up.shape, store.fetch(0, 0).down.shape, torch.float32, "cpu")
+    slots = FullSlots.empty(2, {n: t.shape for n, t in store.fetch(0, 0).tensors().items()}, torch.float32, "cpu")
     slots_gu, slots_d = slots.gate_up, slots.down
-    nbytes = store.fetch(0, 0).nbytes
+    nbytes = store.fetch(0, 0).nbytes()
     link = LINK_PROFILES["test_fast"].__class__("slow", bandwidth=nbytes / 0.05, latency=0.0)  # 50 ms each
     eng = EmulatedLink(store, slots, link)
     try:

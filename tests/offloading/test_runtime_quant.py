@@ -180,7 +180,8 @@ def test_packed_slot_holds_the_packed_bytes_and_dequantizes_like_the_host_copy()
     base = RamStore.from_adapter(adapt(model))
     int4, int2 = QuantSpec.preset("int4"), QuantSpec.preset("int2")
     store = QuantizedStore(base, [(int4, int2), (int4, int2)])
-    slots = PackedSlots((128, 64), (64, 64), (int4, int2), torch.float32, n_slots=2, n_scratch=1, device="cpu")
+    slots = PackedSlots({"gate_up": (128, 64), "down": (64, 64)}, (int4, int2), torch.float32, n_slots=2, n_scratch=1,
+                        device="cpu")
     assert slots.slot_bytes == 6912 and slots.nbytes == 2 * 6912 + 49152
     eng = EmulatedLink(store, slots, LinkProfile("fast", 1e12, 0.0))
     try:
@@ -193,8 +194,8 @@ def test_packed_slot_holds_the_packed_bytes_and_dequantizes_like_the_host_copy()
         host = store.fetch_at(m, e, spec)
         dev = slots.view(slot)
         assert torch.equal(dev.gate_up.packed, host.gate_up.packed) and torch.equal(dev.down.zero, host.down.zero)
-        gu, dn = slots.weights(slot)
-        assert torch.equal(gu, host.gate_up.dequantize()) and torch.equal(dn, host.down.dequantize())
+        w = slots.weights(slot)
+        assert torch.equal(w.gate_up, host.gate_up.dequantize()) and torch.equal(w.down, host.down.dequantize())
 
 
 def test_emulated_link_holds_for_the_packed_bytes_and_dequantizes_into_the_slot():
@@ -202,9 +203,9 @@ def test_emulated_link_holds_for_the_packed_bytes_and_dequantizes_into_the_slot(
     base = RamStore.from_adapter(adapt(model))
     int4 = QuantSpec.preset("int4")
     store = QuantizedStore(base, [(int4,), (int4,)])
-    slots = FullSlots.empty(2, base.fetch(0, 0).gate_up.shape, base.fetch(0, 0).down.shape, torch.float32, "cpu")
+    slots = FullSlots.empty(2, {n: t.shape for n, t in base.fetch(0, 0).tensors().items()}, torch.float32, "cpu")
     gu, dn = slots.gate_up, slots.down  # (2, 2I, H), (2, H, I)
-    fp_bytes = base.fetch(0, 0).nbytes
+    fp_bytes = base.fetch(0, 0).nbytes()
     link = LinkProfile("slow", bandwidth=fp_bytes / 0.2, latency=0.0)  # 200 ms per fp32 expert
     eng = EmulatedLink(store, slots, link)
     try:

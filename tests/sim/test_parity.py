@@ -38,8 +38,10 @@ def _greedy(model, prompt: list[int], new_tokens: int) -> None:
         out = model(input_ids=nxt, cache=out.cache, use_cache=True)
 
 
-def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int], learned: bool = False) -> None:
-    """learned: also the presets whose learned probes only the embedded model ships (fate_learned)."""
+def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int], learned: bool = False,
+           router=None) -> None:
+    """learned: also the presets whose learned probes only the embedded model ships (fate_learned); router: the
+    model's own routers, carried to the simulator (a router the trace's weights cannot reproduce)."""
     trace = record_trace(model, None, prompts, decode_tokens=new_tokens - 1, progress=False)
     shape = ModelShape.from_adapter(adapt(model))
     configs = [(n, {}) for n in PRESETS if learned or OffloadConfig.preset(n).predictor != "learned_gate"]
@@ -52,7 +54,7 @@ def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int],
                     _greedy(model, p, new_tokens)
                 real = _counts(rt.stats)
                 real_slots = list(rt.slots_per_layer)
-            sim = simulate(trace, cfg, HW, shape)
+            sim = simulate(trace, cfg, HW, shape, router=router)
             assert sim.slots_per_layer == real_slots, (name, slots)
             for m, (r, s) in enumerate(zip(real, _counts(sim))):
                 diff = {k: (r[k], s[k]) for k in r if r[k] != s[k]}
@@ -68,13 +70,33 @@ def test_simulator_counts_equal_runtime_counts_on_the_embedded_model(model_name,
                                                    a.num_moe_layers * a.num_experts // 4], learned=True)
 
 
-@pytest.mark.parametrize("family", ["olmoe", "mixtral"])
+def _prompts(model) -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(1, model.config.vocab_size, (7,), generator=g).tolist() for _ in range(2)]
+
+
+# olmoe, mixtral: softmax; gpt_oss: a router with a logit bias (recorded in the trace), transposed biased experts;
+# deepseek_v3: sigmoid, groups, a correction bias; nemotron_h: experts without a gate
+@pytest.mark.parametrize("family", ["olmoe", "mixtral", "gpt_oss", "deepseek_v3", "nemotron_h"])
 def test_simulator_counts_equal_runtime_counts_on_other_families(family, tiny_models):
     model = tiny_models(family, seed=1)
     a = adapt(model)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(1, model.config.vocab_size, (7,), generator=g).tolist() for _ in range(2)]
-    _check(model, prompts, new_tokens=8, budgets=[a.num_moe_layers * 2, a.num_moe_layers * a.num_experts // 2])
+    assert a.host_routers().is_linear(0)  # the trace's router weights (and biases) reproduce it
+    _check(model, _prompts(model), new_tokens=8, budgets=[a.num_moe_layers * 2, a.num_moe_layers * a.num_experts // 2])
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "zaya"])
+def test_a_router_the_trace_cannot_reproduce_is_carried_or_refused(family, tiny_models):
+    """Gemma 4 normalises and scales its gate input before the projection, ZAYA routes with an MLP: their traces'
+    weights cannot reproduce them. The simulator refuses to predict from such a trace, naming what to pass, and
+    with the model's own routers carried it counts what the runtime counts."""
+    model = tiny_models(family, seed=1)
+    a = adapt(model)
+    trace = record_trace(model, None, _prompts(model), decode_tokens=3, progress=False)
+    assert trace.meta["router_linear"] is False
+    with pytest.raises(ValueError, match=r"host_routers\(\).*simulate\(\.\.\., router=\.\.\.\)"):
+        simulate(trace, OffloadConfig.preset("fate", link="instant", slots=4), HW, ModelShape.from_adapter(a))
+    _check(model, _prompts(model), new_tokens=8, budgets=[a.num_moe_layers * 2], router=a.host_routers())
 
 
 def test_trace_steps_group_a_prompts_prefill():
@@ -133,15 +155,25 @@ CORE_CONFIGS = [("fate", {}), ("fate_quant", {}), ("host_compute", {}), ("static
                 ("drop_low", {}), ("lru", {"replacement": "lrfu"}), ("fate", {"allocation": "uniform"})]
 
 
+# qwen2_moe: gated experts without biases; gpt_oss: biases beside every expert (full precision in packed slots,
+# counted alike by ModelShape, core/sizing.py and the slots); nemotron_h: up_proj only (I rows, no gate)
+BUILD_FAMILIES = {"qwen2_moe": {"moe_intermediate_size": 64}, "gpt_oss": {"intermediate_size": 64},
+                  "nemotron_h": {"moe_intermediate_size": 64}}  # INT4/INT2 groups of 64 fit their experts
+
+
+@pytest.mark.parametrize("family", list(BUILD_FAMILIES))
 @pytest.mark.parametrize("name,over", CORE_CONFIGS, ids=[n + "".join(f"-{v}" for v in o.values()) for n, o in CORE_CONFIGS])
-def test_runtime_and_simulator_are_built_by_one_code_path(name, over, tiny_models):
+def test_runtime_and_simulator_are_built_by_one_code_path(name, over, family, tiny_models):
     """One config, one shape, one link: the runtime and the simulator describe the same build (plan, slots per
-    layer, pools, slot bytes, precision policy, predictor and rule, miss rule, placement, host time, link)."""
-    model = tiny_models("qwen2_moe", seed=3, moe_intermediate_size=64)  # INT4/INT2 groups of 64 fit its experts
+    layer, pools, slot bytes, precision policy, predictor and rule, miss rule, placement, host time, link), and the
+    runtime's slots hold exactly the bytes the plan counted."""
+    model = tiny_models(family, seed=3, **BUILD_FAMILIES[family])
     shape = ModelShape.from_adapter(adapt(model))
     cfg = OffloadConfig.preset(name, slots=6, link="qwen15_moe_rtx3090_pcie3", layer_compute_s=1e-3, **over)
     with offload(model, cfg) as rt:
         built_rt = rt.core.describe()
+        per_slot = rt.slots.slot_bytes if rt.packed_slots is not None else rt.slots.fp_nbytes()
+        assert per_slot == rt.core.slot_bytes and rt.expert_bytes == adapt(model).bytes_per_expert()
     sim = Simulator(cfg, Hardware.scaled("qwen15_moe_rtx3090_pcie3", layer_s=1e-3,
                                          compute=COMPUTE_PROFILES["qwen15_moe_rtx3090"]), shape)
     built_sim = sim.core.describe()
