@@ -34,6 +34,7 @@ from fate_lab.core.config import OffloadConfig
 from fate_lab.core.driver import DriverCore
 from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.setups import Hardware
+from fate_lab.model.trace import router_scores
 from fate_lab.policy.allocation import ShallowFavoringAllocation
 from fate_lab.policy.prediction_metrics import predict_trace
 from fate_lab.policy.rules import RouterScores, SelectionRule
@@ -105,10 +106,16 @@ def trace_shape(trace_or_experts, num_experts: int | None = None) -> ModelShape:
     return ModelShape(ex.shape[1], ex.shape[1], max(E, 1), ex.shape[2], 1, 1, torch.float32, 0, 0)
 
 
-def _router(trace, shape: ModelShape) -> RouterScores | None:
+def _router(trace, router, needed: bool) -> RouterScores | None:
+    """The router scores a replay reads: the model's own routers where given, else the trace's (which refuses a
+    router its weights cannot reproduce); None where nothing reads them or the trace has none (callers refuse)."""
+    if not needed:
+        return None
+    if router is not None:
+        return router
     if trace is None or trace.gate_inputs is None or trace.router_weights is None:
         return None
-    return RouterScores([w.float() for w in trace.router_weights], trace.meta.get("scoring", shape.scoring))
+    return router_scores(trace)
 
 
 def _config_predictions(core: DriverCore, trace, router: RouterScores | None) -> Predictions | None:
@@ -141,7 +148,8 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
            slots_per_layer: Sequence[int] | int | None = None, policy: PolicySpec | None = None,
            predictions: Predictions | None = None, phase: Tensor | str | None = None,
            policy_kw: dict | None = None, prefetch_buffer: int | None = None,
-           admit_prefetch: str | None = None, expert_bytes: int | None = None, fast: bool = True) -> RunStats:
+           admit_prefetch: str | None = None, expert_bytes: int | None = None, fast: bool = True,
+           router=None) -> RunStats:
     """Replay a routing trace through per-layer caches (semantics in the module docstring).
 
     ``config``: the `OffloadConfig` whose cache-related part runs (default: LRU, no predictor); the slots
@@ -150,6 +158,9 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
     factory ``capacity -> ReplacementPolicy``; ``policy_kw`` for its parameters), ``prefetch_buffer`` and
     ``admit_prefetch``. ``predictions[t][l]``: ids predicted for layer l of token t (None: the config's
     predictor, from the trace). ``expert_bytes``: the unit of bytes_moved (default: the shape's expert).
+    ``router``: the model's own routers (`MoEAdapter.host_routers()`), for a router the trace's weights cannot
+    reproduce (default: the trace's, with its logit biases). ``fast``: the compiled replay where it covers the
+    policy (same counts; False: the pure cache).
     """
     uses, preds, phases, L, k, trace, ex = _prepare(experts, predictions, phase)
     unit = expert_bytes if expert_bytes is not None else 1 if shape is None else shape.nbytes(None)
@@ -157,13 +168,14 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
     if shape is None:  # ids seen are a lower bound on a bare tensor's expert count; slots asked for may say more
         shape = trace_shape(experts, max(trace_shape(experts).num_experts, max(config.slots_per_layer or (0,))))
     core = DriverCore(config, shape, Hardware(None, None), driver="replay")
-    router = _router(trace, shape)
-    if preds is None and config.predictor is not None:
-        p = _config_predictions(core, trace, router)
-        preds = [[p[t][l] for t in range(len(p))] for l in range(L)]
     pol_spec = policy if policy is not None and not isinstance(policy, str) else config.replacement
     kw = policy_kw or {}
     pols = [make_policy(pol_spec, s, uses[l], kw) for l, s in enumerate(core.slots_per_layer)]
+    reads_router = config.predictor in ("cross_layer_gate", "learned_gate") and preds is None
+    router = _router(trace, router, reads_router or any(p.wants_scores for p in pols))
+    if preds is None and config.predictor is not None:
+        p = _config_predictions(core, trace, router)
+        preds = [[p[t][l] for t in range(len(p))] for l in range(L)]
     probs = [None] * L
     if any(p.wants_scores for p in pols):
         if router is None:

@@ -226,3 +226,29 @@ def test_replay_refuses_negative_duplicate_or_misnamed_inputs():
         miss_curves(torch.tensor([[[7, 0]]]), 3)
     with pytest.raises(ValueError, match="above max_replays"):
         miss_curves(torch.tensor([[[7, 0]]]), 10**6)
+
+
+def test_the_replay_predicts_with_the_routers_bias_and_refuses_a_router_it_cannot_reproduce(tiny_models):
+    """gpt-oss's router has a logit bias: the trace's weights and biases predict what the model's own routers
+    predict (the replay once dropped the bias). Gemma 4's router normalises its input first: the replay refuses
+    to predict from its trace's weights and runs with the model's routers carried."""
+    from fate_lab import adapt, record_trace
+    from fate_lab.core.config import OffloadConfig
+    from fate_lab.core.shape import ModelShape
+
+    for family in ("gpt_oss", "gemma4_text"):
+        model = tiny_models(family, seed=1)
+        a = adapt(model)
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(1, model.config.vocab_size, (7,), generator=g).tolist() for _ in range(2)]
+        trace = record_trace(model, None, prompts, decode_tokens=6, progress=False)
+        cfg = OffloadConfig.preset("fate", slots=a.num_moe_layers * 2)
+        shape = ModelShape.from_adapter(a)
+        carried = replay(trace, cfg, shape=shape, router=a.host_routers())
+        assert carried.overall["prefetch_loads"] > 0
+        if family == "gpt_oss":
+            assert trace.router_biases is not None and any(b.abs().sum() > 0 for b in trace.router_biases)
+            assert replay(trace, cfg, shape=shape).per_layer == carried.per_layer
+        else:
+            with pytest.raises(ValueError, match="router"):
+                replay(trace, cfg, shape=shape)
