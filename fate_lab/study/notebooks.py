@@ -64,17 +64,23 @@ def cell_timeout(parameters: dict, timeout: int | None = None) -> int:
 
 
 def _ipc_kernel_config(socket_dir: Path):
-    """Kernel-manager config for a local kernel over IPC (Unix sockets in ``socket_dir``).
+    """Kernel-manager config for a local kernel over IPC (Unix sockets in ``socket_dir``), talked to
+    through ``kernelclient.RunnerKernelClient``.
 
     Over TCP (Jupyter's default) ipykernel warns on every run that its traffic is unencrypted;
     the kernel is local, so Unix sockets in a private folder avoid both the warning and the open
     ports. The socket path is absolute: papermill runs the kernel in the notebook's folder.
+    The client is jupyter_client's asyncio one with a shell channel whose sends cannot swallow the
+    wake-up of a reply that has just arrived; without it a widget cell (an explorer drawing into an
+    Output widget) intermittently waited out the whole per-cell limit for a reply the kernel had
+    already sent (see ``kernelclient``).
     """
     from traitlets.config import Config
 
     cfg = Config()
     cfg.KernelManager.transport = "ipc"
     cfg.KernelManager.ip = str(socket_dir / "kernel")
+    cfg.AsyncKernelManager.client_class = "fate_lab.study.kernelclient.RunnerKernelClient"
     return cfg
 
 

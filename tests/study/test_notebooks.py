@@ -71,6 +71,24 @@ def test_the_kernel_runs_over_ipc_without_the_tcp_warning(tmp_path, capfd):
     assert "without encryption" not in capfd.readouterr().err
 
 
+@pytest.mark.slow
+def test_cells_drawing_into_an_output_widget_do_not_wait_out_the_cell_limit(tmp_path):
+    # nbclient answers each output shown inside an Output widget (as every explorer draws) with a comm
+    # message on the shell socket while it awaits the cell's reply there. Without the runner's
+    # kernelclient.RunnerKernelClient such a send could swallow the wake-up of a reply that had just
+    # arrived, and the cell then took exactly the per-cell limit (this notebook: a stalled cell in 11 of 11 runs).
+    show = ("out.clear_output()\nwith out:\n    for i in range(20):\n"
+            "        display({'text/plain': str(i) * 5000}, raw=True)")
+    path = _notebook(tmp_path, "import ipywidgets as W\nfrom IPython.display import display\nout = W.Output()\nout",
+                     *[show] * 12, name="widgets.ipynb")
+    limit = 10
+    out = run_notebook(path, tmp_path / "out", {"FAST": True}, timeout=limit)
+    nb = json.loads(out.read_text())
+    took = [round(c["metadata"]["papermill"]["duration"], 1) for c in nb["cells"] if c["cell_type"] == "code"]
+    assert max(took) < limit / 2, f"a cell waited for its reply until the {limit} s limit: {took}"
+    assert notebook_errors(out) == []
+
+
 def test_error_outputs_are_found_in_cells_and_output_widgets(tmp_path):
     err = {"output_type": "error", "ename": "TraitError", "evalue": "Setting min > max", "traceback": []}
     nb = {"cells": [{"cell_type": "code", "outputs": [], "metadata": {"tags": ["injected-parameters"]}},
