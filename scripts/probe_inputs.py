@@ -63,7 +63,7 @@ def probes():
     yield "config: lossy_threshold=nan", "lossy_threshold", lambda: OffloadConfig.preset("fate", lossy_threshold=math.nan)
     yield "config: min_similarity=2", "min_similarity", lambda: OffloadConfig.preset("substitute", min_similarity=2.0)
     yield "config: cache='yes'", "cache", lambda: OffloadConfig.preset("fate", cache="yes")
-    yield "config: store='ssd' without checkpoint", "checkpoint", lambda: OffloadConfig.preset("fate", store="ssd")
+    yield "offload: store='ssd' without checkpoint", "checkpoint", lambda: fate_lab.offload(model, OffloadConfig.preset("fate", store="ssd"))
     yield "config: rule='percentile'", "rule", lambda: OffloadConfig.preset("fate", rule="percentile")
     yield "config: unknown preset", "unknown preset", lambda: OffloadConfig.preset("fastest")
     yield "config: unknown field", "no field", lambda: OffloadConfig.preset("fate", slotz=4)

@@ -175,8 +175,7 @@ def _check(c: OffloadConfig) -> None:
     if c.host is not None and c.quant is not None:
         raise ValueError("host compute runs full-precision experts; it cannot be combined with quant="
                          f"{c.quant!r} (choose one)")
-    if c.store == "ssd" and c.checkpoint is None:
-        raise ValueError("OffloadConfig(store='ssd') needs checkpoint=<the model's safetensors file or folder>")
+    # store="ssd" without checkpoint= is valid here: load_offloaded fills it in; offload() refuses it without one
 
 
 _PRESETS: dict[str, OffloadConfig] = {

@@ -5,12 +5,15 @@ What this file is: the experts implementation registered as "fate_offload" in tr
 check that a model's experts modules are ones the runtime can serve (`model.experts.expert_refusal`),
 emptying every routed-expert tensor (weights and biases, per layout) on the device and giving the
 caller back its own Parameters on close, and `StepwiseForward` (a model run one token at a time, so
-every position is a decode step of the offloaded model).
+every position is a decode step of the offloaded model), and `guard_forward`, which ends a forward in
+the runtime on Ctrl-C too.
 What it is not: no slot, cache or transfer logic (`cache.py`, `slots.py`, `transfer.py`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -72,6 +75,36 @@ def detach(adapter: MoEAdapter, prev_impl: str | None, no_experts: str | None = 
             setattr(mod, NO_EXPERTS, no_experts)
     if prev_impl is not None and no_experts is None:
         adapter.model.set_experts_implementation(prev_impl)
+
+
+def guard_forward(model: nn.Module, on_abort: Callable[[], None]) -> Callable[[], None]:
+    """Wrap ``model.forward`` so that on_abort() runs when a BaseException that is not an Exception (Ctrl-C's
+    KeyboardInterrupt, SystemExit) leaves it: torch runs ``always_call`` forward hooks on Exception only, so
+    without this an interrupted forward kept the runtime's lock. Returns the undo. Written here (accelerate's
+    ``add_hook_to_module`` wraps forward the same way) because only the abort path is needed."""
+    had, prev = "forward" in model.__dict__, model.__dict__.get("forward")
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        try:
+            return inner(*args, **kwargs)
+        except Exception:
+            raise
+        except BaseException:
+            on_abort()
+            raise
+
+    model.forward = forward
+
+    def undo() -> None:
+        if model.__dict__.get("forward") is forward:
+            if had:
+                model.forward = prev
+            else:
+                del model.forward
+
+    return undo
 
 
 def check_servable(adapter: MoEAdapter) -> None:

@@ -12,6 +12,7 @@ import torch
 from fate_lab.core.driver import DriverCore
 from fate_lab.core.sizing import SCRATCH_SLOTS
 from fate_lab.hardware.links import LinkProfile
+from fate_lab.hardware.setups import is_scaled
 from fate_lab.model.adapters import MoEAdapter
 from fate_lab.model.checkpoint import ExpertIndex
 from fate_lab.offloading.slots import DeviceSlots, FullSlots, PackedSlots
@@ -57,3 +58,22 @@ def build_engine(store: HostStore, slots: DeviceSlots, link: LinkProfile | None,
     if device.type == "cuda" and native:
         return CudaCopyEngine(store, slots)
     return EmulatedLink(store, slots, link, timeout_s=timeout_s)
+
+
+def check_setup(config, family: str, device: torch.device, experts_in_memory: bool) -> None:
+    """Refuse, before anything is taken, what this model and device cannot run (named, with what to do)."""
+    fam = family
+    if config.store == "ssd" and experts_in_memory and device.type != "cpu":
+        raise ValueError(f"{fam}: store='ssd' with the model's experts in {device.type} memory: close() could "
+                         "give them back only by reading the checkpoint again, which may have changed or vanished "
+                         "by then. Use store='ram' (a host copy of the caller's experts), or open the checkpoint "
+                         "with fate_lab.load_offloaded(path, config), whose experts live only in the file")
+    if not experts_in_memory:
+        if is_scaled(config.link) and config.layer_compute_s is None:
+            raise ValueError(f"link={config.link!r} is scaled to this machine's layer time, which cannot be "
+                             "measured on a model whose experts were never loaded (load_offloaded): give "
+                             "OffloadConfig(layer_compute_s=...) or an unscaled link")
+        if config.allocation == "miss_curve" and config.miss_curves is None:
+            raise ValueError("allocation='miss_curve' calibrates on a run of the plain model, which a model whose "
+                             "experts were never loaded (load_offloaded) cannot do: give OffloadConfig("
+                             "miss_curves=...) or another allocation")

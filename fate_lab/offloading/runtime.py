@@ -43,7 +43,7 @@ from fate_lab.offloading import hookup
 from fate_lab.offloading.engine_link import EngineLink
 from fate_lab.offloading.experts_call import ExpertsCall
 from fate_lab.offloading.hookup import StepwiseForward  # public here too, as the first version had it
-from fate_lab.offloading.mechanisms import build_engine, build_slots, build_store
+from fate_lab.offloading.mechanisms import build_engine, build_slots, build_store, check_setup
 from fate_lab.offloading.slots import PackedSlots
 from fate_lab.offloading.store import CheckpointError
 from fate_lab.offloading.transfer import CudaCopyEngine, TransferError, calibrate_layer_time
@@ -77,7 +77,7 @@ class Runtime:
         self.experts_in_memory = state == "present"
         self.device = _device_of(model, a)
         self.dtype = a.layouts[0].dtype
-        self._check_setup(config)
+        check_setup(config, a.family, self.device, self.experts_in_memory)
         self.shape = ModelShape.from_adapter(a)
         self.top_k, self.num_experts = a.top_k, a.num_experts
         self.expert_bytes = self.shape.nbytes(None)  # one expert at full precision (the model's dtype), biases included
@@ -101,24 +101,6 @@ class Runtime:
                 self.engine.close()
             self._give_back()
             raise
-
-    def _check_setup(self, config: OffloadConfig) -> None:
-        """Refuse, before anything is taken, what this model and device cannot run (named, with what to do)."""
-        fam = self.adapter.family
-        if config.store == "ssd" and self.experts_in_memory and self.device.type != "cpu":
-            raise ValueError(f"{fam}: store='ssd' with the model's experts in {self.device.type} memory: close() could "
-                             "give them back only by reading the checkpoint again, which may have changed or vanished "
-                             "by then. Use store='ram' (a host copy of the caller's experts), or open the checkpoint "
-                             "with fate_lab.load_offloaded(path, config), whose experts live only in the file")
-        if not self.experts_in_memory:
-            if is_scaled(config.link) and config.layer_compute_s is None:
-                raise ValueError(f"link={config.link!r} is scaled to this machine's layer time, which cannot be "
-                                 "measured on a model whose experts were never loaded (load_offloaded): give "
-                                 "OffloadConfig(layer_compute_s=...) or an unscaled link")
-            if config.allocation == "miss_curve" and config.miss_curves is None:
-                raise ValueError("allocation='miss_curve' calibrates on a run of the plain model, which a model whose "
-                                 "experts were never loaded (load_offloaded) cannot do: give OffloadConfig("
-                                 "miss_curves=...) or another allocation")
 
     @torch.no_grad()
     def _calibration_curves(self, prompt_tokens: int = 16, decode_tokens: int = 48) -> list[list[int]]:
@@ -144,7 +126,8 @@ class Runtime:
             self.standin = [[pack_expert(self.store.fetch(m, e), STANDIN_SPEC).to(self.device)
                              for e in range(self.num_experts)] for m in range(M)]
         core.t_origin = time.perf_counter()
-        self._lock = threading.Lock()  # one forward at a time
+        self._lock = threading.Lock()  # one forward at a time; close() takes it too
+        self._closing = False
         self._closed = False
         for m, e, slot in core.preload():
             self.engine.load_now(m, e, slot, core.spec(m, "cache"), timed=False)
@@ -153,6 +136,7 @@ class Runtime:
         self._hooks = [self.adapter.gate_input_hook(m, self._gate_inputs.__setitem__) for m in range(M)]
         self._hooks += [model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                        model.register_forward_hook(self._post_forward, always_call=True)]
+        self._unguard = hookup.guard_forward(model, self._abort_forward)
 
     # --- what the rest of the suite reads ----------------------------------------------
     @property
@@ -202,6 +186,9 @@ class Runtime:
     # --- hooks around each forward ------------------------------------------------------
     def _pre_forward(self, _module, args, kwargs) -> None:
         if not self._lock.acquire(blocking=False):
+            if self._closing:
+                raise RuntimeError("this Runtime is being closed (close() from another thread): the model runs "
+                                   "again once close() returns, or offload it again")
             raise RuntimeError("another forward is running on this offloaded model; fate_lab runs one "
                                "generate/forward at a time per Runtime (use one model per thread)")
         self._owner = threading.get_ident()
@@ -222,6 +209,20 @@ class Runtime:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.core.end_forward(time.perf_counter() - self._fwd_t0)
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    def _abort_forward(self) -> None:
+        """A forward left by Ctrl-C (or another BaseException that torch's always_call hook does not see): every
+        layer's per-call state goes and the lock is released, so the runtime runs the next generate normally
+        (in-flight transfers land or are absorbed by the next call; the aborted forward is not timed)."""
+        if getattr(self, "_owner", None) != threading.get_ident():
+            return
+        try:
+            for m in range(self.adapter.num_moe_layers):
+                self.cache.end(m)
+            self._gate_inputs.clear()
         finally:
             self._owner = None
             self._lock.release()
@@ -329,18 +330,37 @@ class Runtime:
         its experts stay empty and every later call of the model says so."""
         if self._closed:
             return
+        if getattr(self, "_owner", None) == threading.get_ident():
+            raise RuntimeError("close() was called from inside a forward of this offloaded model (a hook?): close it "
+                               "after the forward returns")
+        self._closing = True
+        self._lock.acquire()  # a forward in flight on another thread ends first; none starts until we are done
+        try:
+            self._close(restore)
+        finally:
+            self._closing = False
+            self._lock.release()
+
+    def _close(self, restore: bool) -> None:
         self._closed = True
         self.engine.close()
         for h in self._hooks:
             h.remove()
-        no_experts = None if self.experts_in_memory else (
-            f"this {self.adapter.family} model was opened with fate_lab.load_offloaded and its Runtime is closed: its "
-            "routed experts live only in the checkpoint, so the model cannot run any more; open it again with "
-            "load_offloaded(path, config)")
+        self._unguard()
+        no_experts = None
+        if not self.experts_in_memory:
+            no_experts = (f"this {self.adapter.family} model was opened with fate_lab.load_offloaded and its Runtime "
+                          "is closed: its routed experts live only in the checkpoint, so the model cannot run any "
+                          "more; open it again with load_offloaded(path, config)")
+        elif not restore:
+            no_experts = (f"this {self.adapter.family} model's Runtime was closed with restore=False: its experts were "
+                          "not given back (their memory is freed), so the model cannot run any more; load it again")
         hookup.detach(self.adapter, self._prev_impl if restore else None, no_experts)
         self.slots = None  # the slots go before the experts come back
         if restore:
             self._give_back()
+        else:
+            self._taken = None
 
     def _give_back(self) -> None:
         """The experts go back into the model: the very tensors taken (CPU), the same Parameters refilled from the

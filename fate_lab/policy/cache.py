@@ -195,10 +195,13 @@ class ExpertCache:
             if not self._demand(m, e, blocking=True):
                 raise RuntimeError(f"no slot for expert {e} of MoE layer {m} (cache bug)")
         slot = layer.staged.get(e, layer.where.get(e))
-        inf = layer.inflight.pop(e, None)
-        if inf is not None and not self.link.wait(m, e, inf.handle):
-            self.stats[m][self.phase].failures += 1
-            self.link.reload(m, e, slot, inf.reason)
+        inf = layer.inflight.get(e)
+        if inf is not None:
+            ok = self.link.wait(m, e, inf.handle)
+            del layer.inflight[e]  # only now: a wait left by Ctrl-C keeps it in flight for the next call
+            if not ok:
+                self.stats[m][self.phase].failures += 1
+                self.link.reload(m, e, slot, inf.reason)
         if e in layer.where:
             layer.valid.add(e)
         return slot

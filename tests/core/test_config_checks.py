@@ -22,7 +22,6 @@ CASES = [
     ({"slots": 2.5}, "slots=2.5: give an int >= 0"),
     ({"budget": True}, "budget=True"),
     ({"timeline_max_events": -1}, "timeline_max_events=-1"),
-    ({"store": "ssd"}, "needs checkpoint="),
     ({"rule": "percentile"}, "rule='percentile': give a selection rule"),
     ({"predictor": "oracle"}, "predictor='oracle'"),
     ({"allocation": "greedy"}, "allocation='greedy'"),
