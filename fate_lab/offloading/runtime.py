@@ -248,7 +248,11 @@ class Runtime:
                 m, call.idx_host, call.compute, gate_input=self._gate_inputs.pop(m, hidden_states), timed=timed,
                 weights=top_k_weights.detach().to("cpu") if self.core.miss_policy is not None else None))
         except (TransferError, CheckpointError):  # the link or the checkpoint is gone: give the caller its model
-            self.close()  # back, then fail loudly
+            try:  # back, then fail loudly (this forward holds the lock; its post-forward hook is gone with close)
+                self._close(restore=True)
+            finally:
+                self._owner = None
+                self._lock.release()
             raise
         self.stats.layers[m][self.core.phase].compute_s += time.perf_counter() - t_call
         return call.output(order)
