@@ -27,8 +27,9 @@ def runtime_row(model, prompts: list[list[int]], config, new_tokens: int, refere
     """One config in the runtime: greedy generate of every prompt, its `RunStats.row` (and whether the tokens
     equal the plain model's `reference`)."""
     from fate_lab.offloading.runtime import offload
+    from fate_lab.study.clock import pinned
 
-    with offload(model, config) as rt:
+    with pinned(), offload(model, config) as rt:  # torch's threads held while measuring (study/clock.py)
         _greedy_ids(model, prompts[0][:8], 3)  # warm-up (its counters are dropped)
         rt.reset_stats()
         outs = [_greedy_ids(model, p, new_tokens) for p in prompts]
@@ -64,7 +65,7 @@ def side_by_side(model, tokenizer, prompts: list[str], configs: dict, link: str 
         if slots is not None:
             over.update(slots=slots, budget=None)
         cfg = dataclasses.replace(cfg, **over)
-        row = {"config": name, **runtime_row(model, ids, cfg, new_tokens, reference)}
+        row = {**runtime_row(model, ids, cfg, new_tokens, reference), "config": name}
         if simulate_too:
             res = simulate(trace, cfg, hw, shape)
             row["simulated tok/s"] = res.decode_tok_s
