@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 from helpers import embedded_models
 
-from fate_lab.study import lab
+from fate_lab.mainjob import final_claims
+from fate_lab.study import lab, prose, verdict
 from fate_lab.study.notebooks import (
     FAST_CELL_TIMEOUT,
     FULL_CELL_TIMEOUT,
@@ -40,6 +41,10 @@ def test_notebook_runs_in_fast_mode(path, model_name, tmp_path):
     table = final_table(out)
     assert "<table" in table, f"{path.name}: the last cell shows no table"
     assert table_numbers(table), f"{path.name}: the paper-vs-ours table holds no number:\n{table[:2000]}"
+    assert prose.unprinted_numbers(out) == [], f"{path.name}: numbers in markdown that no cell printed"
+    assert prose.stderr_outputs(out) == [], f"{path.name}: a cell wrote to stderr"
+    claims, meta = final_claims(out)
+    assert meta["fast"] is True and {c.verdict for c in claims} <= set(verdict.VERDICTS)
 
 
 # --- the runner's pieces, on small hand-made notebooks (a kernel start each: a second or two)
@@ -69,6 +74,20 @@ def test_the_kernel_runs_over_ipc_without_the_tcp_warning(tmp_path, capfd):
     nb = json.loads(out.read_text())
     assert "".join(nb["cells"][-1]["outputs"][0]["data"]["text/plain"]) == "'ipc'"
     assert "without encryption" not in capfd.readouterr().err
+
+
+def test_numbers_in_markdown_must_be_printed_and_nothing_goes_to_stderr(tmp_path):
+    md = ("The paper reports **88.83%** (arXiv 2502.12224) over PCIe 3.0, `q=75` in code, 4.1x faster, "
+          "layers 0..3, a 2.9 ratio.")
+    assert prose.markdown_numbers(md) == ["88.83%", "4.1x", "2.9"]
+    nb = {"cells": [{"cell_type": "markdown", "source": md},
+                    {"cell_type": "code", "outputs": [
+                        {"output_type": "stream", "name": "stdout", "text": "recall 88.83%; speed-up 4.1x"},
+                        {"output_type": "stream", "name": "stderr", "text": "FutureWarning: old\nmore"}]}]}
+    path = tmp_path / "p.ipynb"
+    path.write_text(json.dumps(nb))
+    assert prose.unprinted_numbers(path) == ["markdown cell 0: 2.9"]
+    assert prose.stderr_outputs(path) == ["cell 1: FutureWarning: old"]
 
 
 def test_error_outputs_are_found_in_cells_and_output_widgets(tmp_path):

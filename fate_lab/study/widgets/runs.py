@@ -58,7 +58,7 @@ def decode_explorer(model, input_ids, trace: Trace, hardware, shape, layer_s: fl
                                                   f"tokens; {whatif.describe(hardware)}"))
                 box.rendered = {"config": cfg, "table": df}
         finally:
-            status.value = f"link calibrated once: {whatif.describe(hardware)}"
+            status.value = f"the link and the simulator use one calibration: one decode layer {layer_s * 1e3:.3g} ms"
             boundary.disabled = share_s.disabled = False
 
     boundary.observe(_draw, names="value")
