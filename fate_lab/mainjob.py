@@ -1,18 +1,27 @@
-"""The main job (``make main`` / ``python -m fate_lab main``): run every notebook, print their tables.
+"""The main job (``make main`` / ``python -m fate_lab main``): run every notebook, collect their verdicts.
 
-What it is: the one command that regenerates every figure and table of the suite, on every embedded
-model by default (``tiny_moe``, then ``tiny_deepseek``) or on the models named, writing executed
-notebooks into ``out/<model>/notebooks`` and ending with each notebook's paper-vs-ours table, one
-"ours" column per model beside the paper's (also written to ``out/paper_vs_ours.md``).
+What it is: the one command that regenerates every figure and table of the suite, on every embedded model by
+default (``tiny_moe``, then ``tiny_deepseek``) or on the models named, writing executed notebooks into
+``out/<model>/notebooks``; it then reads each notebook's closing claims back (`study.verdict.Claim`, carried
+as data by `lab.paper_table`), puts the models side by side, writes ``out/paper_vs_ours.md`` and
+``out/verdicts-<mode>.json``, and rewrites the README's results section (between `README_BEGIN` and
+`README_END`) from the same data. ``--tables-only`` executes nothing and rebuilds all of that from the
+notebooks already in ``out``. When both a FAST and a full verdict file are in ``out``, the rows whose verdict
+words differ between the two are printed.
 What it is not: a place for analysis; each notebook calls the package.
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_BEGIN = "<!-- results:begin (written by `python -m fate_lab main`; edits inside are overwritten) -->"
+README_END = "<!-- results:end -->"
 
 
 def _last_code_outputs(path: Path) -> list[dict]:
@@ -21,69 +30,162 @@ def _last_code_outputs(path: Path) -> list[dict]:
     return code[-1].get("outputs", []) if code else []
 
 
-def final_rows(path: Path) -> list[list[str]] | None:
-    """The rows (quantity, paper, ours, agreement) of an executed notebook's closing table, or None."""
+def final_claims(path: Path) -> tuple[list, dict] | None:
+    """(claims, meta) of an executed notebook's closing table (`lab.paper_table`), or None without one."""
     from fate_lab.study.lab import TABLE_MIME
+    from fate_lab.study.verdict import Claim
 
     for o in _last_code_outputs(path):
         table = o.get("data", {}).get(TABLE_MIME)
-        if table:
-            return [list(r) for r in table["rows"]]
+        if table and "claims" in table:
+            return [Claim.from_dict(c) for c in table["claims"]], dict(table.get("meta") or {})
     return None
 
 
-def side_by_side(tables: dict[str, list[list[str]] | None]) -> list[dict[str, str]]:
-    """One row per quantity: the paper's number, each model's number and agreement sentence, and whether
-    the models' verdicts differ (their agreement sentences, numbers aside, are not the same).
+def final_rows(path: Path) -> list[list[str]] | None:
+    """The rows of an executed notebook's closing table as text (quantity, reference, ours, verdict, why)."""
+    found = final_claims(path)
+    return None if found is None else [[c.quantity, c.reference, c.ours, c.verdict, c.why] for c in found[0]]
 
-    ``tables`` maps a model name to its notebook's rows; a model whose notebook showed no table gets '—'.
-    """
-    import re
 
+def side_by_side(tables: dict[str, list | None]) -> list[dict[str, str]]:
+    """One row per quantity: the reference, each model's number, verdict and reason, and whether the models'
+    verdicts differ. ``tables`` maps a model name to its notebook's claims; a model whose notebook showed no
+    table gets '—'."""
     order: list[str] = []
-    paper: dict[str, str] = {}
-    by_model: dict[str, dict[str, tuple[str, str]]] = {}
-    for name, rows in tables.items():
+    ref: dict[str, str] = {}
+    by_model: dict[str, dict] = {}
+    for name, claims in tables.items():
         by_model[name] = {}
-        for quantity, paper_value, ours, agreement in rows or []:
-            if quantity not in paper:
-                order.append(quantity)
-                paper[quantity] = paper_value
-            by_model[name][quantity] = (ours, agreement)
-
-    def verdict(sentence: str) -> str:  # the words of an agreement sentence, without its numbers
-        return re.sub(r"[-+]?\d[\d.,]*%?x?", "#", sentence).strip()
-
+        for c in claims or []:
+            if c.quantity not in ref:
+                order.append(c.quantity)
+                ref[c.quantity] = c.reference
+            by_model[name][c.quantity] = c
     out = []
     for q in order:
-        row = {"quantity": q, "paper": paper[q]}
+        row = {"quantity": q, "paper or target": ref[q]}
         for name in tables:
-            row[name] = by_model[name].get(q, ("—", ""))[0]
-        for name in tables:
-            row[f"agreement ({name})"] = by_model[name].get(q, ("", "—"))[1]
-        verdicts = {verdict(by_model[n][q][1]) for n in tables if q in by_model[n]}
-        row["models"] = "same verdict" if len(verdicts) <= 1 else "DIFFER (see the README's results)"
+            c = by_model[name].get(q)
+            row[name] = "—" if c is None else c.ours
+            row[f"verdict ({name})"] = "—" if c is None else c.verdict
+            row[f"why ({name})"] = "" if c is None else c.why
+        verdicts = {by_model[n][q].verdict for n in tables if q in by_model[n]}
+        row["models"] = "same verdict" if len(verdicts) <= 1 else "DIFFER"
         out.append(row)
     return out
 
 
-def markdown(rows: list[dict[str, str]]) -> str:
-    """A side-by-side table as markdown."""
+def markdown(rows: list[dict[str, str]], keys: list[str] | None = None) -> str:
+    """A side-by-side table as markdown (all its keys, or `keys`)."""
     if not rows:
         return "(no table)"
-    keys = list(rows[0])
-    cell = lambda v: str(v).replace("|", "\\|")  # noqa: E731
+    keys = keys or list(rows[0])
+    cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def run_main(out: Path, models: list[str] | None = None, fast: bool = False, tables_only: bool = False) -> Path:
-    """Execute every notebook for each model into ``out/<model>/notebooks``, then print each notebook's
-    paper-vs-ours table with a column per model; returns the markdown file holding those tables.
-    ``tables_only``: execute nothing, rebuild the tables from the notebooks already in ``out`` (after a
-    single notebook was rerun, for example)."""
+def machine() -> str:
+    """This machine in a few words: the CPU model, its cores, the torch threads the measurements pin."""
+    from fate_lab.study.clock import THREADS
+
+    cpu = ""
+    try:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{cpu or 'a CPU'}, {os.cpu_count()} cores, measurements on {THREADS} torch thread(s)"
+
+
+def collect(done: dict[str, dict[str, Path]]) -> dict:
+    """The verdict data of executed notebooks (model -> notebook stem -> path): per notebook and model, the claims
+    and the meta (mode, clock) their closing table carried."""
+    data: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "notebooks": {}}
+    for name, paths in done.items():
+        for stem, path in paths.items():
+            found = final_claims(path)
+            entry = data["notebooks"].setdefault(stem, {})
+            entry[name] = None if found is None else {"claims": [c.as_dict() for c in found[0]], "meta": found[1]}
+    modes = {bool(m["meta"].get("fast")) for nb in data["notebooks"].values() for m in nb.values() if m}
+    data["fast"] = modes.pop() if len(modes) == 1 else None  # None: a mix of modes
+    return data
+
+
+def _claims(entry) -> list | None:
+    from fate_lab.study.verdict import Claim
+
+    return None if entry is None else [Claim.from_dict(c) for c in entry["claims"]]
+
+
+def readme_section(data: dict) -> str:
+    """The README's results section from verdict data (`collect`): per notebook, the paper's number or our target
+    beside each model's number and verdict, then the reason of every row that does not agree."""
+    from fate_lab.study.verdict import AGREES
+
+    mode = {True: "FAST mode (the tests' sizes)", False: "full size", None: "mixed modes"}[data.get("fast")]
+    models = sorted({m for nb in data["notebooks"].values() for m in nb}, key=lambda m: (m != "tiny_moe", m))
+    counts = {}
+    parts = [f"What `python -m fate_lab main` printed on {data['date']} ({mode}; {data['machine']}). Every verdict "
+             "is computed from the numbers in the row (`fate_lab/study/verdict.py`); `python -m fate_lab main "
+             "--tables-only` rewrites this section from the executed notebooks in `results/`. Speed rows are one run "
+             "on a shared machine: their spread is in the row where it was measured.", ""]
+    for stem, entry in data["notebooks"].items():
+        tables = {m: _claims(entry.get(m)) for m in models}
+        rows = side_by_side(tables)
+        if not rows:
+            continue
+        parts.append(f"**{stem}**\n")
+        view = [{"quantity": r["quantity"], "paper or target": r["paper or target"],
+                 **{m: f"{r[m]} — {r[f'verdict ({m})']}" for m in models}} for r in rows]
+        parts.append(markdown(view))
+        notes = []
+        for r in rows:
+            for m in models:
+                v = r[f"verdict ({m})"]
+                counts[v] = counts.get(v, 0) + 1
+                if v not in (AGREES, "—"):
+                    notes.append(f"- *{r['quantity']}*, `{m}`: {v}: {r[f'why ({m})']}")
+        parts += ["", *notes, ""]
+    total = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()) if v != "—")
+    parts.insert(1, f"In all: {total}.")
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def write_readme(section: str, readme: Path = README) -> Path:
+    """Replace what lies between the README's results markers with `section` (the markers must be there)."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise ValueError(f"{readme} has no results markers ({README_BEGIN!r} ... {README_END!r}): add them where the "
+                         "results section belongs")
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_BEGIN}\n{section}{README_END}{tail}")
+    return readme
+
+
+def verdict_changes(a: dict, b: dict) -> list[str]:
+    """The rows whose verdict words differ between two verdict files (`collect`), e.g. a FAST and a full run."""
+    out = []
+    for stem in sorted(set(a["notebooks"]) & set(b["notebooks"])):
+        for model in sorted(set(a["notebooks"][stem]) & set(b["notebooks"][stem])):
+            ca, cb = _claims(a["notebooks"][stem][model]) or [], _claims(b["notebooks"][stem][model]) or []
+            va, vb = {c.quantity: c.verdict for c in ca}, {c.quantity: c.verdict for c in cb}
+            for q in [q for q in va if q in vb and va[q] != vb[q]]:
+                out.append(f"{stem} / {model}: {q}: {va[q]} -> {vb[q]}")
+    return out
+
+
+def run_main(out: Path, models: list[str] | None = None, fast: bool = False, tables_only: bool = False,
+             readme: Path | None = README) -> Path:
+    """Execute every notebook for each model into ``out/<model>/notebooks`` (or, ``tables_only``, read the ones
+    already there), then write the side-by-side tables, the verdict data and (unless this is a FAST run, or
+    ``readme`` is None) the README's results section; returns the markdown file of the tables. Every notebook of
+    one run shares one calibration of this machine (`study.clock`, through ``$FATE_LAB_RUN_DIR``)."""
     from fate_lab.paths import EMBEDDED_MODELS, model_name
+    from fate_lab.study.clock import RUN_DIR_ENV
     from fate_lab.study.notebooks import notebook_paths, run_notebook
 
     models = list(models) if models else list(EMBEDDED_MODELS)
@@ -94,6 +196,10 @@ def run_main(out: Path, models: list[str] | None = None, fast: bool = False, tab
     t0 = time.time()
     nbs = notebook_paths()
     done: dict[str, dict[str, Path]] = {}
+    run_dir = out / ".run"
+    if not tables_only:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "clock.json").unlink(missing_ok=True)  # a new run calibrates anew
     for model, name in zip(models, names):
         params = {"MODEL": "" if model is None else str(model), "FAST": fast}
         if tables_only:
@@ -104,21 +210,43 @@ def run_main(out: Path, models: list[str] | None = None, fast: bool = False, tab
                                         f"run `python -m fate_lab main` first")
             continue
         done[name] = {}
-        for nb in tqdm(nbs, desc=f"notebooks ({name})", unit="nb"):
-            done[name][nb.stem] = run_notebook(nb, out / name / "notebooks", params)
+        before = os.environ.get(RUN_DIR_ENV)
+        os.environ[RUN_DIR_ENV] = str(run_dir)
+        try:
+            for nb in tqdm(nbs, desc=f"notebooks ({name})", unit="nb"):
+                done[name][nb.stem] = run_notebook(nb, out / name / "notebooks", params)
+        finally:
+            if before is None:
+                os.environ.pop(RUN_DIR_ENV, None)
+            else:
+                os.environ[RUN_DIR_ENV] = before
+    data = collect(done)
+    mode = "fast" if data["fast"] else "full" if data["fast"] is False else "mixed"
+    (out / f"verdicts-{mode}.json").write_text(json.dumps(data, indent=1))
     sections = []
     for nb in nbs:
-        rows = side_by_side({name: final_rows(done[name][nb.stem]) for name in names})
+        rows = side_by_side({name: _claims(data["notebooks"][nb.stem].get(name)) for name in names})
         sections.append(f"## {nb.stem}: paper vs ours\n\n{markdown(rows)}\n")
         print(f"\n== {nb.stem}: paper vs ours ({', '.join(names)})")
         for r in rows:
-            ours = " | ".join(f"{n}: {r[n]}" for n in names)
-            print(f"- {r['quantity']}: paper {r['paper']} | {ours}  [{r['models']}]")
+            ours = " | ".join(f"{n}: {r[n]} ({r[f'verdict ({n})']})" for n in names)
+            print(f"- {r['quantity']}: {r['paper or target']} | {ours}  [{r['models']}]")
     summary = out / "paper_vs_ours.md"
     summary.write_text(f"# Paper vs ours, {', '.join(names)}\n\nWritten by `python -m fate_lab main`"
                        f"{' --fast' if fast else ''}{' --tables-only' if tables_only else ''}; executed notebooks "
                        f"in {out}/<model>/notebooks.\n\n" + "\n".join(sections))
+    if readme is not None and (tables_only or not fast):
+        write_readme(readme_section(data), readme)
+        print(f"[fate_lab] README results section rewritten from {out}/verdicts-{mode}.json")
+    if (out / "verdicts-fast.json").is_file() and (out / "verdicts-full.json").is_file():
+        changes = verdict_changes(json.loads((out / "verdicts-fast.json").read_text()),
+                                  json.loads((out / "verdicts-full.json").read_text()))
+        print(f"[fate_lab] FAST vs full: {len(changes)} verdict(s) differ" + "".join(f"\n  {c}" for c in changes))
     print(f"\n[fate_lab] {len(nbs)} notebooks x {len(names)} model(s) ({', '.join(names)}) "
           f"{'read from' if tables_only else 'executed into'} {out}/<model>/notebooks in {time.time() - t0:.0f} s; "
           f"tables side by side in {summary}")
     return summary
+
+
+__all__ = ["README_BEGIN", "README_END", "collect", "final_claims", "final_rows", "machine", "markdown",
+           "readme_section", "run_main", "side_by_side", "verdict_changes", "write_readme"]

@@ -35,14 +35,17 @@ def time_generate(model, input_ids: torch.Tensor, new_tokens: int, repeats: int 
         raise ValueError(f"new_tokens={new_tokens!r}: give an int >= 2 to time decoding")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r}: give an int >= 1")
+    from fate_lab.study.clock import pinned
+
     runs = []
     for _ in range(repeats):
         spans: list[list[float]] = []
         pre = model.register_forward_pre_hook(lambda *_: spans.append([time.perf_counter()]))
         post = model.register_forward_hook(lambda *_: spans[-1].append(time.perf_counter()))
         try:
-            out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=model.generation_config.pad_token_id or 0)
+            with pinned():
+                out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                     pad_token_id=model.generation_config.pad_token_id or 0)
         finally:
             pre.remove()
             post.remove()
@@ -53,67 +56,107 @@ def time_generate(model, input_ids: torch.Tensor, new_tokens: int, repeats: int 
 
 
 def run_preset(model, input_ids: torch.Tensor, config: OffloadConfig, new_tokens: int, repeats: int = 1) -> dict:
-    """Offload with `config`, time greedy generate, and return its `RunStats.row`, the tokens, the timeline
-    and the per-layer rows (the repeat with the median decode rate)."""
+    """Offload with `config`, time greedy generate `repeats` times (torch threads pinned), and return the
+    `RunStats.row` of the repeat with the median decode rate (with ``decode tok/s spread``, the relative
+    half-range over the repeats; NaN for one), the tokens, the timeline and the per-layer rows."""
     from fate_lab.offloading.runtime import offload
+    from fate_lab.study.clock import pinned, spread
 
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate', slots=64)), got "
                         f"{type(config).__name__}")
-    rt = offload(model, config)
-    try:
-        runs = []
-        for _ in range(repeats):
-            rt.reset_stats()
-            timing = time_generate(model, input_ids, new_tokens)
-            runs.append({"row": {**rt.stats.row(config.name), "link": rt.stats.link,
-                                 "slots per layer": list(rt.slots_per_layer)},
-                         "tokens": timing.tokens, "timeline": list(rt.stats.timeline), "layers": rt.stats.rows()})
-        runs.sort(key=lambda r: r["row"]["decode tok/s"])
-        best = runs[len(runs) // 2]
-        rates = [r["row"]["decode tok/s"] for r in runs]
-        best["row"]["decode tok/s spread"] = (max(rates) - min(rates)) / statistics.median(rates) if repeats > 1 \
-            else float("nan")
-        return best
-    finally:
-        rt.close()
+    with pinned():
+        rt = offload(model, config)
+        try:
+            time_generate(model, input_ids[:, :8], 2)  # warm-up: the first forwards of a fresh runtime allocate
+            runs = []
+            for _ in range(repeats):
+                rt.reset_stats()
+                timing = time_generate(model, input_ids, new_tokens)
+                runs.append({"row": {**rt.stats.row(config.name), "link": rt.stats.link,
+                                     "slots per layer": list(rt.slots_per_layer)},
+                             "tokens": timing.tokens, "timeline": list(rt.stats.timeline), "layers": rt.stats.rows()})
+        finally:
+            rt.close()
+    runs.sort(key=lambda r: r["row"]["decode tok/s"])
+    best = runs[len(runs) // 2]
+    best["row"]["decode tok/s spread"] = spread([r["row"]["decode tok/s"] for r in runs]) if repeats > 1 \
+        else float("nan")
+    best["row"]["TTFT spread"] = spread([r["row"]["TTFT (ms)"] for r in runs]) if repeats > 1 else float("nan")
+    return best
 
 
 def calibrated(model, configs: dict[str, OffloadConfig]) -> dict[str, OffloadConfig]:
-    """The configs with ONE layer time for every scaled link that has none: every row then runs over one link."""
+    """The configs with the run's ONE layer time (`clock.machine_clock`) for every scaled link that has none:
+    every row then runs over one link."""
     from fate_lab.hardware.setups import is_scaled
-    from fate_lab.offloading.runtime import calibrate_layer_time
+    from fate_lab.study.clock import machine_clock
 
-    layer_s = None
     out = {}
     for name, cfg in configs.items():
         if is_scaled(cfg.link) and cfg.layer_compute_s is None:
-            layer_s = layer_s or calibrate_layer_time(model, steps=24)
-            cfg = dataclasses.replace(cfg, layer_compute_s=layer_s)
+            cfg = dataclasses.replace(cfg, layer_compute_s=machine_clock(model).layer_s)
         out[name] = cfg
     return out
 
 
 def compare_presets(model, input_ids: torch.Tensor, configs: dict[str, OffloadConfig], new_tokens: int,
                     repeats: int = 1) -> tuple[pd.DataFrame, dict]:
-    """Every config (name -> OffloadConfig) and plain generate on the same prompt; ratios vs all_resident and
-    load_on_demand when present. A scaled link is calibrated once here for the configs that pin none."""
+    """Every config (name -> OffloadConfig) and plain generate on the same prompt, in `repeats` rounds (each
+    round times plain generate and then every config once, so that a slow spell of the machine hits them all
+    alike); each row is its median run, with the spread over the rounds. Ratios vs all_resident and
+    load_on_demand when present. A scaled link is calibrated once (the run's clock) for the configs that pin
+    none."""
     from tqdm.auto import tqdm
 
+    from fate_lab.study.clock import median, pinned, spread
+
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: give an int >= 1")
     configs = calibrated(model, configs)
-    plain = time_generate(model, input_ids, new_tokens, repeats)
-    rows = [{"config": "plain generate", "driver": "plain", "decode tok/s": plain.decode_tok_s,
-             "TTFT (ms)": 1e3 * plain.ttft_s}]
-    runs = {"plain generate": {"tokens": plain.tokens}}
-    for name, cfg in tqdm(configs.items(), desc="configs", unit="config"):
-        runs[name] = run_preset(model, input_ids, cfg, new_tokens, repeats)
-        rows.append({**runs[name]["row"], "config": name})
+    time_generate(model, input_ids[:, :8], 2)  # warm-up
+    rounds: dict[str, list[dict]] = {"plain generate": [], **{n: [] for n in configs}}
+    with tqdm(total=repeats * (len(configs) + 1), desc="timed runs", unit="run") as bar:
+        for _ in range(repeats):
+            with pinned():
+                plain = time_generate(model, input_ids, new_tokens)
+            rounds["plain generate"].append({"row": {"config": "plain generate", "driver": "plain",
+                                                     "decode tok/s": plain.decode_tok_s,
+                                                     "TTFT (ms)": 1e3 * plain.ttft_s}, "tokens": plain.tokens})
+            bar.update()
+            for name, cfg in configs.items():
+                rounds[name].append(run_preset(model, input_ids, cfg, new_tokens))
+                bar.update()
+    rows, runs = [], {}
+    for name, rs in rounds.items():
+        rates = [r["row"]["decode tok/s"] for r in rs]
+        ttfts = [r["row"]["TTFT (ms)"] for r in rs]
+        mid = sorted(rs, key=lambda r: r["row"]["decode tok/s"])[len(rs) // 2]
+        runs[name] = mid
+        rows.append({**mid["row"], "config": name, "decode tok/s": median(rates), "TTFT (ms)": median(ttfts),
+                     "decode tok/s spread": spread(rates) if repeats > 1 else float("nan"),
+                     "TTFT spread": spread(ttfts) if repeats > 1 else float("nan")})
     df = pd.DataFrame(rows).set_index("config")
-    df["same tokens as plain"] = [runs[n]["tokens"] == plain.tokens for n in df.index]
+    df["same tokens as plain"] = [runs[n]["tokens"] == runs["plain generate"]["tokens"] for n in df.index]
     for ref in ("all_resident", "load_on_demand"):
         if ref in df.index:
             df[f"speed vs {ref}"] = df["decode tok/s"] / df.loc[ref, "decode tok/s"]
     return df, runs
+
+
+def same_prefix(tokens: list[int], reference: list[int]) -> float:
+    """The share of `tokens` before the first one that differs from `reference` (1.0: all the same)."""
+    n = next((i for i, (x, y) in enumerate(zip(tokens, reference)) if x != y), min(len(tokens), len(reference)))
+    return n / len(tokens) if tokens else float("nan")
+
+
+def ratio(table: pd.DataFrame, of: str, over: str, column: str = "decode tok/s") -> tuple[float, float]:
+    """(ratio, spread) of two rows of a `compare_presets` table: of / over in `column`, with the sum of both
+    rows' relative spreads (``<column> spread``; ``TTFT (ms)`` uses ``TTFT spread``) as the ratio's spread."""
+    key = "TTFT spread" if column == "TTFT (ms)" else f"{column} spread"
+    r = table.loc[of, column] / table.loc[over, column]
+    s = table.loc[of, key] + table.loc[over, key] if key in table.columns else float("nan")
+    return float(r), float(s)
 
 
 def timeline_frame(timeline: list[tuple], max_events: int | None = 400) -> pd.DataFrame:

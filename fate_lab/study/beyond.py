@@ -27,8 +27,9 @@ def runtime_row(model, prompts: list[list[int]], config, new_tokens: int, refere
     """One config in the runtime: greedy generate of every prompt, its `RunStats.row` (and whether the tokens
     equal the plain model's `reference`)."""
     from fate_lab.offloading.runtime import offload
+    from fate_lab.study.clock import pinned
 
-    with offload(model, config) as rt:
+    with pinned(), offload(model, config) as rt:  # torch's threads held while measuring (study/clock.py)
         _greedy_ids(model, prompts[0][:8], 3)  # warm-up (its counters are dropped)
         rt.reset_stats()
         outs = [_greedy_ids(model, p, new_tokens) for p in prompts]
@@ -40,9 +41,11 @@ def runtime_row(model, prompts: list[list[int]], config, new_tokens: int, refere
 
 def side_by_side(model, tokenizer, prompts: list[str], configs: dict, link: str = "qwen15_moe_rtx3090_pcie3",
                  slots: int | None = None, new_tokens: int = 24, max_prompt_tokens: int = 32,
-                 simulate_too: bool = True) -> pd.DataFrame:
+                 simulate_too: bool = True, repeats: int = 1) -> pd.DataFrame:
     """Every config of `configs` (name -> OffloadConfig) measured in the runtime and predicted by the simulator,
-    on the same prompts, link and cache size (`slots`; None keeps each config's own)."""
+    on the same prompts, link and cache size (`slots`; None keeps each config's own). With ``repeats`` > 1 the
+    configs run in that many rounds; each row is its median round, with ``decode tok/s spread`` over the rounds
+    (`clock.spread`), and its tokens must equal the plain model's in every round."""
     from tqdm.auto import tqdm
 
     from fate_lab.model.adapters import adapt
@@ -58,13 +61,24 @@ def side_by_side(model, tokenizer, prompts: list[str], configs: dict, link: str 
     reference = [_greedy_ids(model, p, new_tokens) for p in ids]
     trace = record_trace(model, tokenizer, ids, decode_tokens=new_tokens - 1, progress=False) if simulate_too else None
     shape = ModelShape.from_adapter(adapt(model))
+    from fate_lab.study.clock import spread
+
+    over = {"link": link, "layer_compute_s": layer_s}
+    if slots is not None:
+        over.update(slots=slots, budget=None)
+    configs = {name: dataclasses.replace(cfg, **over) for name, cfg in configs.items()}
+    rounds: dict[str, list[dict]] = {name: [] for name in configs}
+    with tqdm(total=repeats * len(configs), desc="configs", unit="run") as bar:
+        for _ in range(repeats):
+            for name, cfg in configs.items():
+                rounds[name].append({**runtime_row(model, ids, cfg, new_tokens, reference), "config": name})
+                bar.update()
     rows = []
-    for name, cfg in tqdm(configs.items(), desc="configs", unit="config"):
-        over = {"link": link, "layer_compute_s": layer_s}
-        if slots is not None:
-            over.update(slots=slots, budget=None)
-        cfg = dataclasses.replace(cfg, **over)
-        row = {"config": name, **runtime_row(model, ids, cfg, new_tokens, reference)}
+    for name, cfg in configs.items():
+        rs = sorted(rounds[name], key=lambda r: r["decode tok/s"])
+        row = dict(rs[len(rs) // 2])
+        row["decode tok/s spread"] = spread([r["decode tok/s"] for r in rs]) if repeats > 1 else float("nan")
+        row["same tokens as plain"] = all(r["same tokens as plain"] for r in rs)
         if simulate_too:
             res = simulate(trace, cfg, hw, shape)
             row["simulated tok/s"] = res.decode_tok_s

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -18,9 +19,42 @@ from fate_lab.paths import DATA_DIR, model_dir
 
 CACHE_DIR = DATA_DIR.parent / "results" / "cache"
 
-# Trace sizes: FAST is what the tests run; the full size gives ~1.5k decode + ~1.5k prefill tokens.
-TRACE_SIZES = {True: {"prompts": 2, "decode_tokens": 12, "prompt_chars": 200},
-               False: {"prompts": 16, "decode_tokens": 96, "prompt_chars": 400}}
+@dataclass(frozen=True)
+class Sizes:
+    """How much every notebook measures in one mode: FAST (what the tests run) or full size (the main job).
+
+    One table for all notebooks, so that a number read in two notebooks comes from the same trace.
+    """
+
+    prompts: int  # held-out prompts of THE trace (lab.get_trace)
+    decode_tokens: int  # greedy decode steps per prompt of the trace
+    prompt_chars: int  # characters per prompt (cut at a word boundary)
+    new_tokens: int  # decode length of a timed run (05, 06, 07)
+    repeats: int  # timed runs per config, for the spread of every speed (05, 06)
+    eval_tokens: int  # held-out tokens for perplexity, agreement and KL (06)
+    decode_eval_tokens: int  # of those, fed token by token through the runtime (06's decode mix)
+    runtime_prompts: int  # prompts per runtime row (07)
+    lossy_tokens: int  # held-out tokens decoded one by one per lossy run (08)
+    lossy_prompts: int  # prompts of 08's decode comparison
+    lossy_decode: int  # decode steps per such prompt
+    grid_steps: int  # budgets of a cache grid or sweep (04, 09)
+
+
+SIZES = {True: Sizes(prompts=2, decode_tokens=12, prompt_chars=200, new_tokens=8, repeats=2, eval_tokens=1024,
+                     decode_eval_tokens=128, runtime_prompts=1, lossy_tokens=32, lossy_prompts=1, lossy_decode=4,
+                     grid_steps=3),
+         False: Sizes(prompts=16, decode_tokens=96, prompt_chars=400, new_tokens=48, repeats=3, eval_tokens=8192,
+                      decode_eval_tokens=1024, runtime_prompts=2, lossy_tokens=128, lossy_prompts=2, lossy_decode=16,
+                      grid_steps=10)}
+# The trace of each mode (~1.5k decode + ~1.5k prefill tokens at full size)
+TRACE_SIZES = {fast: {"prompts": s.prompts, "decode_tokens": s.decode_tokens, "prompt_chars": s.prompt_chars}
+               for fast, s in SIZES.items()}
+
+
+def sizes(fast: bool) -> Sizes:
+    """The sizes of a mode (`FAST = lab.fast_mode(FAST)` first, so that FATE_LAB_FAST is honoured)."""
+    return SIZES[bool(fast)]
+
 
 _loaded: dict = {}
 
@@ -121,18 +155,22 @@ def presets_for(model: str | Path | None, names) -> list[str]:
     return keep
 
 
-class PaperTable(pd.DataFrame):
-    """A DataFrame whose text and HTML displays keep every cell's full text.
+TABLE_MIME = "application/vnd.fate-lab.paper-table+json"
+PAPER_COLUMNS = ["quantity", "paper (Qwen1.5-MoE) or target", "ours", "verdict", "why"]
 
-    pandas cuts cells at ``display.max_colwidth`` (50 characters) in both reprs, which cuts the
-    agreement sentences; this table lifts that limit for its own display only (the option is
-    unchanged for every other table), and its text form is the whole table (``to_string``)
-    rather than one that elides columns to fit a console. Anything derived from it is a plain
-    DataFrame again.
+
+class PaperTable(pd.DataFrame):
+    """The closing table of a notebook: one row per `verdict.Claim`, every cell's full text.
+
+    pandas cuts cells at ``display.max_colwidth`` (50 characters) in both reprs, which cuts the reasons; this
+    table lifts that limit for its own display only, and its text form is the whole table (``to_string``).
+    Beside the HTML it carries its claims as data under `TABLE_MIME` (a vendor type no front end renders):
+    the main job reads them back from the executed notebooks. Anything derived from it is a plain DataFrame.
     """
 
+    _metadata = ["claims", "meta"]
+
     def __repr__(self) -> str:
-        # to_string neither cuts cells nor elides columns to fit a console's width
         return self.to_string()
 
     def _repr_html_(self) -> str | None:
@@ -140,28 +178,36 @@ class PaperTable(pd.DataFrame):
             return super()._repr_html_()
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
-        # the rows as data too, under a vendor type no front end renders (they show the HTML): the main
-        # job reads them back from the executed notebooks to put the models' columns side by side
-        return {TABLE_MIME: {"columns": [str(c) for c in self.columns], "rows": self.astype(str).values.tolist()}}
+        return {TABLE_MIME: {"columns": [str(c) for c in self.columns], "rows": self.astype(str).values.tolist(),
+                             "claims": [c.as_dict() for c in (self.claims or [])], "meta": dict(self.meta or {})}}
 
 
-TABLE_MIME = "application/vnd.fate-lab.paper-table+json"
+def paper_table(claims: list, fast: bool | None = None, drift=None) -> PaperTable:
+    """The closing table of a notebook from its claims (`fate_lab.study.verdict`); the verdict column is each
+    claim's computed verdict. ``drift`` (a `clock.Drift`, for notebooks that time things) adds the machine's
+    speed check as a last row. The mode and the clock travel with the claims to the main job."""
+    from fate_lab.study.verdict import Claim
 
-
-def paper_table(rows: list[tuple[str, str, str, str]]) -> PaperTable:
-    """The closing table of a notebook: (quantity, paper's number, ours, agreement sentence), uncut."""
-    return PaperTable(rows, columns=["quantity", "paper (Qwen1.5-MoE)", "ours", "agreement"])
+    bad = [c for c in claims if not isinstance(c, Claim)]
+    if bad:
+        raise TypeError(f"paper_table takes verdict.Claim rows (verdict.close, beats, holds, not_comparable), got "
+                        f"{type(bad[0]).__name__}")
+    claims = list(claims) + ([drift.claim()] if drift is not None else [])
+    t = PaperTable([(c.quantity, c.reference, c.ours, c.verdict, c.why) for c in claims], columns=PAPER_COLUMNS)
+    t.claims = claims
+    t.meta = {"fast": fast, **({} if drift is None else {"clock": drift.describe(), "drifted": drift.drifted})}
+    return t
 
 
 def fmt_pct(x: float) -> str:
-    """A fraction as a percentage with two decimals."""
-    return f"{100 * x:.2f}%"
+    """A fraction as a percentage with 3 significant digits ('—' for NaN)."""
+    from fate_lab.study.verdict import fmt
+
+    return fmt(x, "%")
 
 
 def fmt_bytes(n: float) -> str:
-    """Bytes in a human unit (KiB, MiB, GiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    """Bytes in a human unit (KiB, MiB, GiB), 3 significant digits."""
+    from fate_lab.study.show import fmt_bytes as f
+
+    return f(n)

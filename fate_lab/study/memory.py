@@ -1,8 +1,9 @@
 """Memory of real MoE models, from their published configs built on the meta device: what offloading saves.
 
 What it is: `meta_model` (a published config of `hardware.models.PAPER_MODELS` built with no memory and no
-download), `memory_breakdown` (dense vs expert bytes, bytes per expert and KV cache at a dtype) and
-`expert_transfer_ms` (one expert over a link of given bandwidth).
+download), `memory_breakdown` (dense vs expert bytes, bytes per expert and KV cache at a dtype),
+`breakdown_table` (a model beside the paper's models), `expert_transfer_ms` (one expert over a link of given
+bandwidth) and `transfer_table` (one expert, and all of a token's, over named links).
 What it is not: the published facts themselves (`fate_lab/hardware/models.py`) or a measurement.
 """
 from __future__ import annotations
@@ -47,3 +48,43 @@ def memory_breakdown(model, name: str, dtype: torch.dtype = torch.bfloat16, cont
 def expert_transfer_ms(bytes_per_expert: int, link_gbps: float) -> float:
     """Milliseconds to move one expert over a link of ``link_gbps`` GB/s (bandwidth only)."""
     return bytes_per_expert / (link_gbps * GB) * 1e3
+
+
+def breakdown_table(model, label: str, dtype: torch.dtype = torch.bfloat16, context_len: int = 2048):
+    """`memory_breakdown` of `model` (named `label`) and of every published model of `PAPER_MODELS`, one row
+    each, all at `dtype`."""
+    import pandas as pd
+
+    rows = [memory_breakdown(model, label, dtype, context_len)]
+    rows += [memory_breakdown(meta_model(name), name, dtype, context_len) for name in PAPER_MODELS]
+    kv = f"kv_bytes_at_{context_len}"
+    return pd.DataFrame(rows).set_index("model").rename(columns={kv: f"KV cache bytes at {context_len:,} tokens"})
+
+
+def describe_model(model) -> dict:
+    """The shape facts a reader looks for first: family, layers, experts, top-k, widths, shared experts."""
+    from fate_lab.model.adapters import adapt
+
+    d = adapt(model).describe()
+    return {"family": d["family"], "layers": d["num_layers"], "MoE layers": len(d["moe_layers"]),
+            "experts per MoE layer": d["num_experts"], "top-k": d["top_k"], "hidden size": d["hidden_size"],
+            "expert width": d["expert_intermediate_size"], "shared experts": d["has_shared_experts"],
+            "router scoring": d["router"]["scoring"], "weights dtype": str(next(model.parameters()).dtype)[6:]}
+
+
+def transfer_table(breakdown, links=("pcie3_x16", "pcie4_x16", "nvme"), all_over: str = "pcie3_x16"):
+    """Milliseconds to move one routed expert over each named link (`hardware.links.LINK_PROFILES`, bandwidth
+    and latency), and all of one token's routed experts (top-k in every MoE layer) over `all_over`."""
+    import pandas as pd
+
+    from fate_lab.hardware.links import link_profile
+
+    out = pd.DataFrame(index=breakdown.index)
+    for name in links:
+        lp = link_profile(name)
+        out[f"{lp.name}: ms per expert"] = [1e3 * lp.transfer_time(int(b)) for b in breakdown["bytes_per_expert"]]
+    lp = link_profile(all_over)
+    n = breakdown["top_k"] * breakdown["moe_layers"]
+    out[f"a token's routed experts over {lp.name} (ms)"] = [
+        1e3 * k * lp.transfer_time(int(b)) for k, b in zip(n, breakdown["bytes_per_expert"])]
+    return out

@@ -62,6 +62,32 @@ class ModelSpec:
     source: str  # where the config came from
 
 
+def model_names() -> list[str]:
+    """Every model `plan` knows by name: the embedded models, then the published configs of `data/configs` whose
+    model type this transformers has (a config of a family it lacks, e.g. DeepSeek-MoE's `deepseek`, is left
+    out: it could not be built)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    published = [d.name for d in CONFIGS_DIR.iterdir() if (d / "config.json").is_file()
+                 and json.loads((d / "config.json").read_text()).get("model_type") in CONFIG_MAPPING]
+    return list(EMBEDDED_MODELS) + sorted(published)
+
+
+def budget_steps(model: str, device_name: str, steps: int, context: int = 4096) -> list[float]:
+    """`steps` budgets in GiB from just above the model's dense weights and KV cache to the device's memory (or
+    to all weights resident, whichever is smaller), rounded to 3 significant digits."""
+    from fate_lab.study.verdict import sig
+
+    spec, dev = model_spec(model), device(device_name)
+    s = spec.shape
+    floor = (s.dense_bytes + s.kv_bytes_per_token * context) / 2**30
+    top = min(dev.memory_gib, floor + s.nbytes(None) * s.num_moe_layers * s.num_experts / 2**30 * 1.05)
+    lo = floor * 1.05 + s.nbytes(None) * s.top_k * 4 / 2**30  # the buffers' few experts
+    if top <= lo:
+        return [float(sig(top).replace(",", ""))]
+    return sorted({float(sig(lo + (top - lo) * i / max(1, steps - 1)).replace(",", "")) for i in range(steps)})
+
+
 def model_spec(model: str, dtype: torch.dtype = torch.bfloat16) -> ModelSpec:
     """An embedded model's name, a published model's name (`data/configs`), a checkpoint folder or a config.json."""
     from transformers import AutoConfig
@@ -158,8 +184,9 @@ class DeploymentPlan:
 
 def plan(model: str, device_name: str, budget: str | int, link: str | None = None, context: int = 4096,
          trace: str | Trace | None = None, presets=DEFAULT_PRESETS, host: str = "desktop_ddr4",
-         dtype: torch.dtype = torch.bfloat16) -> DeploymentPlan:
-    """Size one deployment (module docstring)."""
+         dtype: torch.dtype = torch.bfloat16, fast: bool = True) -> DeploymentPlan:
+    """Size one deployment (module docstring). ``fast``: which size of the embedded trace stands in for the
+    routing when no trace is given (`lab.sizes`)."""
     from fate_lab.sim.simulate import needs_router, simulate
 
     dev = device(device_name)
@@ -172,7 +199,7 @@ def plan(model: str, device_name: str, budget: str | int, link: str | None = Non
     shape, budget_b = spec.shape, parse_bytes(budget)
     if budget_b > dev.memory_gib * 2**30:
         raise ValueError(f"--budget {budget!r} is more than the {dev.name}'s {dev.memory_gib:g} GiB")
-    tr, routing, standin = _routing(spec, trace)
+    tr, routing, standin = _routing(spec, trace, fast)
     compute = compute_for(shape, device_name, host, spec.vocab_size, spec.tied, context // 2)
     hw = Hardware(compute, LINK_PROFILES[link])
     out = DeploymentPlan(spec.name, device_name, link, budget_b, context, routing, standin,
@@ -200,7 +227,7 @@ def plan(model: str, device_name: str, budget: str | int, link: str | None = Non
     return out
 
 
-def _routing(spec: ModelSpec, trace) -> tuple[Trace, str, bool]:
+def _routing(spec: ModelSpec, trace, fast: bool = True) -> tuple[Trace, str, bool]:
     """(trace, what it is in words, stand-in?) for a plan."""
     from fate_lab.study.lab import get_trace
 
@@ -214,22 +241,23 @@ def _routing(spec: ModelSpec, trace) -> tuple[Trace, str, bool]:
                              f"{s.num_experts}: give a trace of this model")
         return trace, f"the given trace ({trace.num_tokens} tokens)", False
     if spec.name in EMBEDDED_MODELS:
-        return get_trace(spec.name, fast=True), f"{spec.name}'s own held-out trace", False
+        return get_trace(spec.name, fast=fast), f"{spec.name}'s own held-out trace", False
     src = "tiny_deepseek"
-    return standin_trace(spec.shape, src), (f"STAND-IN routing: {src}'s held-out trace mapped onto {spec.name}'s "
+    return standin_trace(spec.shape, src, fast=fast), (f"STAND-IN routing: {src}'s held-out trace mapped onto {spec.name}'s "
                                             f"{spec.shape.num_moe_layers} layers x {spec.shape.num_experts} experts "
                                             "(top-%d); only the presets marked as not depending on routing are "
                                             "predictions for this model" % spec.shape.top_k), True
 
 
 def budget_sweep(model: str, device_name: str, budgets, link: str | None = None, context: int = 4096,
-                 presets=("load_on_demand", "lru", "fate", "host_compute", "fate_quant"), trace=None) -> list[dict]:
+                 presets=("load_on_demand", "lru", "fate", "host_compute", "fate_quant"), trace=None,
+                 fast: bool = True) -> list[dict]:
     """Predicted decode tok/s of each preset at each budget (one row per (budget, preset)); budgets too small
     for the dense weights and the KV cache are left out."""
     rows = []
     for b in budgets:
         try:
-            p = plan(model, device_name, b, link, context, trace, presets)
+            p = plan(model, device_name, b, link, context, trace, presets, fast=fast)
         except ValueError as exc:
             if "minimum working set" in str(exc):
                 continue
@@ -240,5 +268,6 @@ def budget_sweep(model: str, device_name: str, budgets, link: str | None = None,
     return rows
 
 
-__all__ = ["DEFAULT_PRESETS", "DEVICES", "DeploymentPlan", "budget_sweep", "model_spec", "parse_bytes", "plan",
+__all__ = ["DEFAULT_PRESETS", "DEVICES", "DeploymentPlan", "budget_steps", "budget_sweep", "model_names", "model_spec",
+           "parse_bytes", "plan",
            "shape_from_config", "standin_trace"]

@@ -24,12 +24,21 @@ def pretty(name: str) -> str:
 
 
 def _pretty_legend(ax) -> None:
+    """The legend with readers' labels, moved outside the axes (right of them) so that it covers no data."""
     leg = ax.get_legend()
     if leg is not None:
-        for text in leg.get_texts():
-            text.set_text(pretty(text.get_text()))
-        if leg.get_title() is not None:
-            leg.get_title().set_text(pretty(leg.get_title().get_text()))
+        title = leg.get_title().get_text() if leg.get_title() is not None else ""
+        handles, labels = ax.get_legend_handles_labels()
+        legend_outside(ax, handles, [pretty(t) for t in labels], pretty(title) if title else None)
+
+
+def legend_outside(ax, handles=None, labels=None, title: str | None = None) -> None:
+    """A legend right of the axes, outside the data."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, title=title, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+                  title_fontsize=8, frameon=False)
 
 
 def memory_bars(breakdown: pd.DataFrame):
@@ -40,7 +49,7 @@ def memory_bars(breakdown: pd.DataFrame):
                       color=sns.color_palette("deep")[:2])
     ax.set_xlabel("weight memory (GiB, log scale)")
     ax.set_ylabel("")
-    ax.legend(["dense (always on device)", "routed experts (offloadable)"], loc="lower right")
+    legend_outside(ax, ax.get_legend_handles_labels()[0], ["dense (always on device)", "routed experts (offloadable)"])
     ax.set_title("Where an MoE model's bytes are")
     plt.tight_layout()
     return ax
@@ -64,7 +73,7 @@ def routing_raster(experts: torch.Tensor, num_experts: int, layers: list[int], t
 def per_layer_lines(df: pd.DataFrame, y: str, hue: str | None = None, ylabel: str = "", title: str = "",
                     x: str = "layer", ylim: tuple | None = None):
     """A metric per layer, one line per ``hue`` value."""
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     sns.lineplot(data=df, x=x, y=y, hue=hue, marker="o", ax=ax)
     ax.set_xlabel("MoE layer" if x == "layer" else x)
     ax.set_ylabel(ylabel or pretty(y))
@@ -92,7 +101,7 @@ def heatmap(matrix, xlabel: str, ylabel: str, title: str, cbar: str, fmt: str = 
 
 def grouped_bars(df: pd.DataFrame, x: str, y: str, hue: str, ylabel: str, title: str, ylim: tuple | None = None):
     """Bars of ``y`` per ``x``, grouped by ``hue``."""
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, ax = plt.subplots(figsize=(9, 3.8))
     sns.barplot(data=df, x=x, y=y, hue=hue, ax=ax)
     ax.set_ylabel(ylabel)
     ax.set_xlabel("MoE layer" if x == "layer" else pretty(x))
@@ -115,7 +124,7 @@ def timeline(events: pd.DataFrame, title: str = "Compute vs transfers"):
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_xlabel("time (ms)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="event")
+    legend_outside(ax, handles, list(colors), "event")
     ax.set_title(title, loc="left", wrap=True)
     fig.tight_layout()
     return fig
@@ -138,7 +147,7 @@ def speedup_vs_ratio(curve: pd.DataFrame, points: pd.DataFrame, over: str = "lru
     ax.set_xlabel("one expert's transfer time / one layer's compute time (log scale)")
     ax.set_ylabel(f"decode speed-up of {of} over {over}")
     ax.set_title(f"Where prediction pays: {of} vs {over} over link speeds")
-    ax.legend(loc="best")
+    legend_outside(ax)
     fig.tight_layout()
     return ax
 
@@ -184,7 +193,7 @@ def pareto(df: pd.DataFrame, x: str = "decode tok/s", y: str = "perplexity chang
     ax.set_xlabel(pretty(x))
     ax.set_ylabel("perplexity change vs the plain model (%)")
     ax.set_title("Quality for speed: lower right is better")
-    ax.legend(fontsize=8, loc="best")
+    legend_outside(ax)
     fig.tight_layout()
     return ax
 
@@ -200,5 +209,55 @@ def measured_vs_simulated(df: pd.DataFrame, measured: str = "decode tok/s", simu
     ax.set_xlabel("")
     ax.set_title("Every idea side by side: measured and predicted")
     ax.tick_params(axis="x", rotation=25)
+    _pretty_legend(ax)
     fig.tight_layout()
     return ax
+
+
+def memory_plan(memory: pd.DataFrame, budget_gib: float, title: str = ""):
+    """One stacked bar per preset of where the budget goes (GiB): dense weights, KV cache, buffers, cached experts
+    (`plan.DeploymentPlan.memory` rows), with the budget as a line."""
+    parts = ["dense (GiB)", "KV cache (GiB)", "buffers (GiB)", "experts cached (GiB)"]
+    df = memory.set_index("config")[parts]
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(df) + 1.6))
+    left = pd.Series(0.0, index=df.index)
+    for part, color in zip(parts, sns.color_palette("deep")):
+        ax.barh(df.index, df[part], left=left, color=color, label=part.replace(" (GiB)", ""))
+        left += df[part]
+    ax.axvline(budget_gib, color="black", ls="--", lw=1, label=f"budget {budget_gib:.3g} GiB")
+    ax.invert_yaxis()
+    ax.set_xlabel("device memory (GiB)")
+    ax.set_title(title or "Where the budget goes, per preset", loc="left")
+    legend_outside(ax)
+    fig.tight_layout()
+    return fig
+
+
+def preset_speed(rows: pd.DataFrame, title: str = ""):
+    """Predicted decode tok/s and TTFT per preset, side by side (`plan.DeploymentPlan.rows`)."""
+    df = rows.set_index("config")
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 0.42 * len(df) + 1.8), sharey=True)
+    colors = [sns.color_palette("deep")[0 if dep else 2] for dep in df.get("depends on routing", [True] * len(df))]
+    axes[0].barh(df.index, df["decode tok/s"], color=colors)
+    axes[0].set_xlabel("decode tokens/s (predicted)")
+    axes[1].barh(df.index, df["TTFT (ms)"], color=colors)
+    axes[1].set_xlabel("time to first token (ms, predicted)")
+    axes[0].invert_yaxis()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=sns.color_palette("deep")[i]) for i in (0, 2)]
+    legend_outside(axes[1], handles, ["depends on routing", "bytes and FLOPs only"])
+    fig.suptitle(title or "Predicted speed per preset", x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def budget_sweep(sweep: pd.DataFrame, title: str = ""):
+    """Decode tok/s against the memory budget, one line per preset (`plan.budget_sweep` rows)."""
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    sns.lineplot(data=sweep, x="budget (GiB)", y="decode tok/s", hue="config", marker="o", ax=ax)
+    ax.set_xlabel("device memory budget (GiB)")
+    ax.set_ylabel("decode tokens/s (predicted)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or "Decode speed against the budget", loc="left")
+    legend_outside(ax, title="preset")
+    fig.tight_layout()
+    return fig

@@ -198,8 +198,10 @@ def lossy_quality(model: nn.Module, config: OffloadConfig, reference: Reference,
                         f"got {type(config).__name__}")
     if is_offloaded(model):
         raise RuntimeError("this model is already offloaded by a Runtime; close() it, then pass the plain model")
+    from fate_lab.study.clock import pinned
+
     stepwise = config.lossy is not None if stepwise is None else stepwise
-    with offload(model, config) as rt:
+    with pinned(), offload(model, config) as rt:  # torch's threads held while measuring (study/clock.py)
         out = measure(model, reference, progress, stepwise)
         summary = rt.stats.summary()
         dec = rt.stats.forward_s["decode"]
@@ -241,7 +243,7 @@ def sweep_lossy(model: nn.Module, tokenizer, thresholds: dict[str, list[float]],
     import pandas as pd
 
     from fate_lab.hardware.setups import is_scaled
-    from fate_lab.offloading.runtime import calibrate_layer_time
+    from fate_lab.study.clock import machine_clock
 
     unknown = set(thresholds) - set(LOSSY_PRESET)
     if unknown:
@@ -250,7 +252,7 @@ def sweep_lossy(model: nn.Module, tokenizer, thresholds: dict[str, list[float]],
     if slots is not None:
         over.update(slots=slots, budget=None)
     if is_scaled(link):
-        over["layer_compute_s"] = calibrate_layer_time(model, steps=24)  # one link for every row
+        over["layer_compute_s"] = machine_clock(model).layer_s  # the run's one clock: one link for every row
     windows, prompts = heldout_inputs(tokenizer, n_tokens=n_tokens, seq_len=min(256, n_tokens), n_prompts=n_prompts)
     ref = reference_outputs(model, windows, prompts, decode_tokens, progress=progress)
     jobs = [(b, None, OffloadConfig.preset(b, **over)) for b in baselines]
@@ -268,3 +270,62 @@ def sweep_lossy(model: nn.Module, tokenizer, thresholds: dict[str, list[float]],
     if "fate" in baselines:
         df["speed vs fate"] = df["decode tok/s"] / df.loc[df["policy"] == "fate", "decode tok/s"].iloc[0]
     return df
+
+
+def scheme_quality(model: nn.Module, windows: list[torch.Tensor], decode_windows: list[torch.Tensor], slots: int,
+                   link: str = "instant") -> tuple:
+    """Quality of every static quantization scheme (every expert at one precision, no runtime) and of Fate's
+    INT4/INT2 mix as the runtime produces it (the `fate_quant` preset with `slots`, prefill: one forward per
+    window; decode: the same text token by token), on held-out `windows` ([1, T] token ids). The mix runs over
+    `link` ("instant" by default: which expert arrives at which precision then depends on the policies alone,
+    a fixed schedule whose numbers reproduce). Returns (one row per scheme: `quant.quality_report`'s numbers and
+    ``perplexity change``; the share of each precision among the experts the runtime moved, per mode)."""
+    import copy
+
+    import pandas as pd
+
+    from fate_lab.offloading.hookup import StepwiseForward
+    from fate_lab.quant import QuantSpec, quality_report, quantize_model_experts
+
+    static = {"int8": QuantSpec.preset("int8"), "int4 (Fate cache)": QuantSpec.preset("int4"),
+              "int3": QuantSpec.preset("int3"), "int2 (Fate I/O)": QuantSpec.preset("int2")}
+    out = {name: quality_report(model, quantize_model_experts(model, spec), windows) for name, spec in static.items()}
+    mixed, mix = copy.deepcopy(model), {}
+    for mode, wrap, batch in (("prefill", lambda m: m, windows), ("decode", StepwiseForward, decode_windows)):
+        with offload(mixed, OffloadConfig.preset("fate_quant", slots=slots, link=link)) as rt:
+            out[f"Fate mix, {mode} (runtime)"] = quality_report(model, wrap(mixed), batch)
+            moved = pd.Series({label: n for (_, _, label), n in rt.stats.moved.items()}).groupby(level=0).sum()
+            mix[mode] = (moved / moved.sum()).to_dict() if moved.sum() else {}
+    del mixed
+    df = pd.DataFrame(out).T
+    df["perplexity change"] = df["perplexity_q"] / df["perplexity_fp"] - 1
+    return df, mix
+
+
+def standin_quality(sim) -> "pd.DataFrame":
+    """Per MoE layer of an `ExpertSimilarity`: the best stand-in's similarity (mean over experts) and how many
+    experts have a stand-in better than dropping them (similarity > 0)."""
+    import pandas as pd
+
+    others = sim.sim.clone()  # (M, E, E)
+    for m in range(sim.num_layers):
+        others[m].fill_diagonal_(float("-inf"))  # an expert is not its own stand-in
+    best = others.max(dim=2).values  # (M, E)
+    return pd.DataFrame({"best stand-in similarity (mean over experts)": best.mean(dim=1).numpy(),
+                         "experts with a stand-in better than dropping": (best > 0).sum(dim=1).numpy()}
+                        ).rename_axis("layer")
+
+
+def best_within(sweep, ppl_bound: float = 0.01, agreement_bound: float = 0.9):
+    """Each lossy rule of a `sweep_lossy` table at its fastest threshold within the quality bounds (perplexity
+    change <= ppl_bound, greedy agreement >= agreement_bound); a rule with none is absent."""
+    ok = sweep[(sweep["perplexity change"] <= ppl_bound) & (sweep["greedy agreement"] >= agreement_bound)
+               & sweep["threshold"].notna()]
+    return ok.loc[ok.groupby("policy")["speed vs fate"].idxmax()] if len(ok) else ok
+
+
+def dominating(sweep, reference: str = "fate_quant"):
+    """The lossy runs of a `sweep_lossy` table both faster than `reference` and with a smaller perplexity change."""
+    ref = sweep[sweep["policy"] == reference].iloc[0]
+    return sweep[sweep["threshold"].notna() & (sweep["decode tok/s"] > ref["decode tok/s"])
+                 & (sweep["perplexity change"] < ref["perplexity change"])]

@@ -27,6 +27,8 @@ What it is not: the simulator (``fate_lab.sim.speculative``), the runtime, or th
 """
 from __future__ import annotations
 
+import logging
+
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -125,18 +127,31 @@ class ForwardLog:
         self._hooks = []
 
 
+class _AssistantCallWarning(logging.Filter):
+    """Drops one transformers warning that is not about our call: its own candidate generator calls the draft's
+    `generate` with a generation_config *and* generation kwargs (transformers 5.x), which it then warns about."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "together with generation-related" not in record.getMessage()
+
+
 @contextmanager
 def assistant_window(draft: torch.nn.Module, window: int):
-    """Set the draft's generation_config to propose exactly `window` tokens per step; put it back after."""
+    """Set the draft's generation_config to propose exactly `window` tokens per step; put it back after (and keep
+    transformers' warning about its own internal draft call, `_AssistantCallWarning`, out of the output)."""
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1 (proposals per verify step), got {window!r}")
     gc = draft.generation_config
     keys = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
     old = {k: getattr(gc, k, None) for k in keys}
     gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = window, "constant", 0.0
+    quiet = _AssistantCallWarning()
+    logger = logging.getLogger("transformers.generation.utils")
+    logger.addFilter(quiet)
     try:
         yield draft
     finally:
+        logger.removeFilter(quiet)
         for k, v in old.items():
             setattr(gc, k, v)
 
@@ -248,8 +263,11 @@ def speculative_decode(model, draft, prompts_ids: list, config: OffloadConfig, w
 def compare_windows(model, draft, prompts_ids: list, config: OffloadConfig, windows=(1, 2, 3, 4),
                     max_new_tokens: int = 32, progress: bool = True, **generate_kwargs) -> pd.DataFrame:
     """Plain decoding (window 0) and assisted generation at each window, one row each, with ratios to window 0."""
-    rows = [speculative_decode(model, draft, prompts_ids, config, w, max_new_tokens, progress=False, **generate_kwargs)
-            for w in tqdm([0, *windows], desc="windows", disable=not progress)]
+    from fate_lab.study.clock import pinned
+
+    with pinned():  # torch's threads held while measuring (study/clock.py)
+        rows = [speculative_decode(model, draft, prompts_ids, config, w, max_new_tokens, progress=False,
+                                   **generate_kwargs) for w in tqdm([0, *windows], desc="windows", disable=not progress)]
     df = pd.DataFrame([{k: v for k, v in r.items() if k != "sequences"} for r in rows])
     base = df.iloc[0]
     df["moved_ratio"] = df["moved_per_token"] / base["moved_per_token"]

@@ -25,29 +25,57 @@ _calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model 
 
 
 def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -> tuple[Hardware, float]:
-    """(Hardware, layer seconds) of this machine running `model` with the emulated `link`, calibrated once per
-    (model, link) in this process: the same layer time scales the runtime's link and the simulator's."""
+    """(Hardware, layer seconds) of this machine running `model` with the emulated `link`: the run's one clock
+    (`clock.machine_clock`, threads pinned) scales the runtime's link and the simulator's alike; the compute
+    profile is calibrated once per (model, link) in this process, threads pinned too."""
     import torch
     from tqdm.auto import tqdm
 
-    from fate_lab.offloading.runtime import calibrate_layer_time
+    from fate_lab.study.clock import machine_clock, pinned
 
     per_model = _calibrated.setdefault(model, {})
     if link not in per_model:
         with tqdm(total=2, desc="calibrating this machine", unit="step", leave=False) as bar:
-            layer_s = calibrate_layer_time(model, steps=24)
+            layer_s = machine_clock(model).layer_s
             bar.update()
             ids = torch.tensor([tokenizer("The expert cache holds the experts")["input_ids"]])
             timed = None if link == "instant" else link  # every other link is emulated on a CPU
-            compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s)
+            with pinned():
+                compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s)
             bar.update()
         per_model[link] = (dataclasses.replace(run_hardware(link, layer_s), compute=compute), layer_s)
     return per_model[link]
 
 
-def setup_hardware(name: str, shape: ModelShape | None = None) -> Hardware:
+def setup_hardware(name: str) -> Hardware:
     """A named real setup (`hardware.setups.SETUPS`) on its own clock, its link fitted to the model that runs."""
     return Hardware.scaled(name)
+
+
+def link_words(link: str) -> str:
+    """A link name as a reader reads it: a setup's link scaled to this machine, or a profile's own name."""
+    from fate_lab.hardware.links import LINK_PROFILES
+    from fate_lab.hardware.setups import SETUPS
+
+    if link in SETUPS:
+        s = SETUPS[link]
+        return (f"{LINK_PROFILES[s.link].name} scaled to this machine's clock (the {s.model} setup "
+                f"{s.name}: one expert's transfer = {s.ratio():.3g} decode-layer computes)")
+    if link in LINK_PROFILES:
+        return LINK_PROFILES[link].describe()
+    return link
+
+
+def describe(hardware: Hardware, expert_bytes: int | None = None) -> str:
+    """One line naming a simulator's hardware: its link (concrete for `expert_bytes` when scaled) and compute."""
+    hw = hardware.for_model(expert_bytes) if expert_bytes and hardware.scaled_from is not None else hardware
+    if hw.scaled_from is not None:
+        s = hw.scaled_from
+        clock = "its own clock" if hw.layer_s is None else f"this machine's clock (one layer {hw.layer_s * 1e3:.3g} ms)"
+        link = f"{s.name} link scaled to {clock}, one expert's transfer = {s.ratio():.3g} decode-layer computes"
+    else:
+        link = "instant link" if hw.link is None else hw.link.describe()
+    return link + ("" if hw.compute is None else f"; compute: {hw.compute.name}")
 
 
 def sim_row(trace, config: OffloadConfig, hardware: Hardware, shape: ModelShape, name: str | None = None) -> dict:
@@ -57,12 +85,15 @@ def sim_row(trace, config: OffloadConfig, hardware: Hardware, shape: ModelShape,
 
 def sim_table(trace, configs: dict[str, OffloadConfig], hardware: Hardware, shape: ModelShape,
               slots: list[int] | None = None) -> pd.DataFrame:
-    """`sim_row` of every config (for every cache size in `slots`, if given), with a progress bar."""
+    """`sim_row` of every config (for every cache size in `slots`, if given: column ``cache size``, the slots
+    asked for; ``slots`` is what the config got, e.g. 0 for load-on-demand), with a progress bar."""
     from tqdm.auto import tqdm
 
-    jobs = [(n, c if s is None else dataclasses.replace(c, slots=s, budget=None))
+    jobs = [(n, s, c if s is None else dataclasses.replace(c, slots=s, budget=None))
             for s in (slots or [None]) for n, c in configs.items()]
-    return pd.DataFrame([sim_row(trace, c, hardware, shape, n) for n, c in tqdm(jobs, desc="simulate", unit="run")])
+    rows = [{**sim_row(trace, c, hardware, shape, n), "cache size": s}
+            for n, s, c in tqdm(jobs, desc="simulate", unit="run")]
+    return pd.DataFrame(rows)
 
 
 def config_for(allocation: str, boundary: int, replacement: str, predictor: str, slots: int,

@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 from helpers import embedded_models
 
-from fate_lab.study import lab
+from fate_lab.mainjob import final_claims
+from fate_lab.study import lab, prose, verdict
 from fate_lab.study.notebooks import (
     FAST_CELL_TIMEOUT,
     FULL_CELL_TIMEOUT,
@@ -40,6 +41,10 @@ def test_notebook_runs_in_fast_mode(path, model_name, tmp_path):
     table = final_table(out)
     assert "<table" in table, f"{path.name}: the last cell shows no table"
     assert table_numbers(table), f"{path.name}: the paper-vs-ours table holds no number:\n{table[:2000]}"
+    assert prose.unprinted_numbers(out) == [], f"{path.name}: numbers in markdown that no cell printed"
+    assert prose.stderr_outputs(out) == [], f"{path.name}: a cell wrote to stderr"
+    claims, meta = final_claims(out)
+    assert meta["fast"] is True and {c.verdict for c in claims} <= set(verdict.VERDICTS)
 
 
 # --- the runner's pieces, on small hand-made notebooks (a kernel start each: a second or two)
@@ -89,6 +94,20 @@ def test_cells_drawing_into_an_output_widget_do_not_wait_out_the_cell_limit(tmp_
     assert notebook_errors(out) == []
 
 
+def test_numbers_in_markdown_must_be_printed_and_nothing_goes_to_stderr(tmp_path):
+    md = ("The paper reports **88.83%** (arXiv 2502.12224) over PCIe 3.0, `q=75` in code, 4.1x faster, "
+          "layers 0..3, a 2.9 ratio.")
+    assert prose.markdown_numbers(md) == ["88.83%", "4.1x", "2.9"]
+    nb = {"cells": [{"cell_type": "markdown", "source": md},
+                    {"cell_type": "code", "outputs": [
+                        {"output_type": "stream", "name": "stdout", "text": "recall 88.83%; speed-up 4.1x"},
+                        {"output_type": "stream", "name": "stderr", "text": "FutureWarning: old\nmore"}]}]}
+    path = tmp_path / "p.ipynb"
+    path.write_text(json.dumps(nb))
+    assert prose.unprinted_numbers(path) == ["markdown cell 0: 2.9"]
+    assert prose.stderr_outputs(path) == ["cell 1: FutureWarning: old"]
+
+
 def test_error_outputs_are_found_in_cells_and_output_widgets(tmp_path):
     err = {"output_type": "error", "ename": "TraitError", "evalue": "Setting min > max", "traceback": []}
     nb = {"cells": [{"cell_type": "code", "outputs": [], "metadata": {"tags": ["injected-parameters"]}},
@@ -102,13 +121,15 @@ def test_error_outputs_are_found_in_cells_and_output_widgets(tmp_path):
 
 
 def test_final_table_and_its_numbers(tmp_path):
-    html = lab.paper_table([("recall", "78.79%", "81.20%", "close")])._repr_html_()
+    from fate_lab.study import verdict
+
+    html = lab.paper_table([verdict.close("recall", 0.7879, 0.812, 0.05, reference="78.79%")])._repr_html_()
     nb = {"cells": [{"cell_type": "code", "outputs": [{"output_type": "execute_result", "metadata": {},
                                                        "data": {"text/html": html, "text/plain": "..."}}]},
                     {"cell_type": "markdown", "source": "the end"}]}
     path = tmp_path / "t.ipynb"
     path.write_text(json.dumps(nb))
-    assert table_numbers(final_table(path)) == ["78.79%", "81.20%"]
+    assert table_numbers(final_table(path)) == ["78.79%", "81.2%", "within ±5 points of 78.79%"]
     assert table_numbers("   quantity  ours\n0  recall  n/a") == []  # the row index is not a number
 
 
@@ -148,43 +169,117 @@ def test_fast_mode_refuses_an_unclear_value(monkeypatch):
 
 
 def test_paper_table_shows_full_sentences_in_text_and_html():
-    sentence = "precision 25.00%, set size 8.0 of 32 (a fixed top quarter of the experts)"
-    assert len(sentence) > pd.get_option("display.max_colwidth")
-    t = lab.paper_table([("75th-percentile recall (decode)", "97.15%", "99.10%", sentence)])
+    from fate_lab.study import verdict
+
+    claim = verdict.close("75th-percentile recall (decode)", 0.9715, 0.991, 0.05, reference="97.15%",
+                          note="precision 25.0%, set size 8.0 of 32 (a fixed top quarter of the experts)")
+    assert len(claim.why) > pd.get_option("display.max_colwidth")
+    t = lab.paper_table([claim])
     assert isinstance(t, pd.DataFrame)
-    assert sentence in repr(t) and sentence in t.to_string() and sentence in t._repr_html_()
+    assert claim.why in repr(t) and claim.why in t.to_string() and claim.why in t._repr_html_()
     assert "..." not in repr(t)
     assert pd.get_option("display.max_colwidth") == 50  # no global side effect
-    assert "..." in repr(pd.DataFrame([[sentence]]))  # other tables keep pandas' default
+    assert "..." in repr(pd.DataFrame([[claim.why]]))  # other tables keep pandas' default
 
 
-# --- the main job's side-by-side tables (hand examples)
+def test_paper_table_takes_only_claims():
+    with pytest.raises(TypeError, match="verdict.Claim"):
+        lab.paper_table([("recall", "78.79%", "70%", "close")])
 
-def test_side_by_side_puts_each_models_number_beside_the_papers():
+
+# --- the main job's side-by-side tables and README section (hand examples)
+
+def _claims(hit: float, cosine: float):
+    from fate_lab.study import verdict
+
+    return [verdict.close("hit rate", 0.99, hit, 0.05, reference="99%"),
+            verdict.close("cosine", 0.88, cosine, 0.05, reference="88%")]
+
+
+def test_side_by_side_puts_each_models_number_and_verdict_beside_the_papers():
     from fate_lab.mainjob import markdown, side_by_side
 
-    a = [["hit rate", "99%", "80.00%", "lower than the paper's"], ["cosine", "88%", "90.00%", "agrees within 5 points"]]
-    b = [["hit rate", "99%", "70.00%", "lower than the paper's"], ["cosine", "88%", "70.00%", "lower than the paper's"]]
-    rows = side_by_side({"m1": a, "m2": b})
+    rows = side_by_side({"m1": _claims(0.80, 0.90), "m2": _claims(0.70, 0.70)})
     assert [r["quantity"] for r in rows] == ["hit rate", "cosine"]
-    assert (rows[0]["paper"], rows[0]["m1"], rows[0]["m2"]) == ("99%", "80.00%", "70.00%")
-    assert rows[0]["models"] == "same verdict"  # same words, other numbers
-    assert rows[1]["models"].startswith("DIFFER")
-    assert rows[1]["agreement (m2)"] == "lower than the paper's"
-    only = side_by_side({"m1": a, "m2": None})  # a notebook that showed no table
-    assert only[0]["m2"] == "—"
-    assert markdown(rows).splitlines()[0] == ("| quantity | paper | m1 | m2 | agreement (m1) | agreement (m2) | "
-                                              "models |")
+    assert (rows[0]["paper or target"], rows[0]["m1"], rows[0]["m2"]) == ("99%", "80.0%", "70.0%")
+    assert rows[0]["models"] == "same verdict"  # both disagree, by other amounts
+    assert (rows[1]["verdict (m1)"], rows[1]["verdict (m2)"], rows[1]["models"]) == ("agrees", "disagrees", "DIFFER")
+    assert rows[1]["why (m2)"] == "18.0 points below 88%, outside ±5 points"
+    only = side_by_side({"m1": _claims(0.8, 0.9), "m2": None})  # a notebook that showed no table
+    assert only[0]["m2"] == "—" and only[0]["verdict (m2)"] == "—"
+    assert markdown(rows, ["quantity", "m1"]).splitlines()[:2] == ["| quantity | m1 |", "|---|---|"]
 
 
-def test_paper_table_carries_its_rows_as_data_beside_the_html():
+def _executed(tmp_path, claims, fast=True, name="01_x.ipynb"):
     from IPython.core.formatters import DisplayFormatter
 
-    table = lab.paper_table([("q", "1%", "2%", "close")])
-    data, _ = DisplayFormatter().format(table)
-    assert "<table" in data["text/html"] and "close" in data["text/plain"]
-    assert data[lab.TABLE_MIME] == {"columns": ["quantity", "paper (Qwen1.5-MoE)", "ours", "agreement"],
-                                   "rows": [["q", "1%", "2%", "close"]]}
+    data, _ = DisplayFormatter().format(lab.paper_table(claims, fast=fast))
+    nb = {"cells": [{"cell_type": "code", "outputs": [{"output_type": "execute_result", "metadata": {},
+                                                       "data": data}]}]}
+    path = tmp_path / name
+    path.write_text(json.dumps(nb, default=str))
+    return path
+
+
+def test_claims_travel_through_an_executed_notebook_unchanged(tmp_path):
+    from fate_lab.mainjob import final_claims
+
+    claims = _claims(0.8, 0.9)
+    back, meta = final_claims(_executed(tmp_path, claims))
+    assert back == claims and meta == {"fast": True}
+
+
+def test_readme_section_is_written_between_the_markers_from_the_verdict_data(tmp_path):
+    from fate_lab.mainjob import README_BEGIN, README_END, collect, readme_section, write_readme
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    data = collect({"tiny_moe": {"01_x": _executed(tmp_path / "a", _claims(0.8, 0.9))},
+                    "tiny_deepseek": {"01_x": _executed(tmp_path / "b", _claims(0.985, 0.7))}})
+    section = readme_section(data)
+    assert "FAST mode" in section and "| hit rate | 99% | 80.0% — disagrees | 98.5% — agrees |" in section
+    assert "- *cosine*, `tiny_deepseek`: disagrees: 18.0 points below 88%, outside ±5 points" in section
+    assert "In all: 2 agrees, 2 disagrees." in section
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# t\n\nbefore\n{README_BEGIN}\nold text\n{README_END}\nafter\n")
+    write_readme(section, readme)
+    text = readme.read_text()
+    assert text.startswith("# t\n\nbefore\n") and text.endswith(f"{README_END}\nafter\n")
+    assert "old text" not in text and section in text
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="no results markers"):
+        write_readme(section, readme)
+
+
+def test_the_committed_readme_has_the_results_markers():
+    from fate_lab.mainjob import README, README_BEGIN, README_END
+
+    text = README.read_text()
+    assert text.count(README_BEGIN) == 1 and text.count(README_END) == 1
+    assert text.index(README_BEGIN) < text.index(README_END)
+
+
+def test_verdict_changes_between_two_runs(tmp_path):
+    from fate_lab.mainjob import collect, verdict_changes
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    fast = collect({"m": {"01_x": _executed(tmp_path / "a", _claims(0.8, 0.9))}})
+    full = collect({"m": {"01_x": _executed(tmp_path / "b", _claims(0.8, 0.7), fast=False)}})
+    assert verdict_changes(fast, full) == ["01_x / m: cosine: agrees -> disagrees"]
+
+
+def test_paper_table_carries_its_claims_as_data_beside_the_html():
+    from IPython.core.formatters import DisplayFormatter
+
+    from fate_lab.study import verdict
+
+    claim = verdict.holds("q", True, "yes")
+    data, _ = DisplayFormatter().format(lab.paper_table([claim], fast=True))
+    assert "<table" in data["text/html"] and "agrees" in data["text/plain"]
+    table = data[lab.TABLE_MIME]
+    assert table["columns"] == lab.PAPER_COLUMNS and table["rows"] == [["q", "must hold", "yes", "agrees", "holds"]]
+    assert table["claims"] == [claim.as_dict()] and table["meta"] == {"fast": True}
 
 
 def test_tables_only_refuses_a_folder_without_executed_notebooks(tmp_path):

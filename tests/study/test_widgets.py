@@ -68,9 +68,33 @@ def test_cache_grid_shape_and_monotone_in_budget(hand_trace):
 
 def test_explorers_build_without_a_browser(hand_trace):
     box = widgets.prefetch_explorer(hand_trace)
-    assert len(box.children) == 2
+    assert box.rendered["phase"] == "decode" and box.rendered["table"]["layer"].tolist() == [1]
     box = widgets.cache_explorer(hand_trace)
-    assert len(box.children) == 3
+    assert box.rendered["table"]["slots"].sum() > 0
+
+
+def test_every_slider_spans_the_notebook_and_keeps_its_label(hand_trace):
+    import ipywidgets as W
+
+    from fate_lab.study.widgets import layout
+
+    for box in (widgets.prefetch_explorer(hand_trace), widgets.cache_explorer(hand_trace)):
+        sliders = [w for w in box.children if isinstance(w, (W.IntSlider, W.FloatSlider))]
+        assert sliders
+        for s in sliders:  # the track takes the row, the label a fixed column wide enough for it
+            assert s.layout.width == "98%" and s.style.description_width == layout.LABEL_WIDTH
+            assert len(s.description) <= 32
+
+
+def test_the_prefetch_explorer_names_both_meanings_of_prefill(hand_trace):
+    box = widgets.prefetch_explorer(hand_trace)
+    phase = next(w for w in box.children if type(w).__name__ == "ToggleButtons")
+    assert [label for label, _ in phase.options] == ["decode", "prefill, per token", "prefill, prompt-wide union"]
+    phase.value = "prefill union"
+    assert box.rendered["phase"] == "prefill union"
+    # the prompt-wide set of the one prefill token equals its own set: the union of one token
+    per_token = tables.prefetch_table(hand_trace, box.rendered["rule"], "prefill")
+    assert box.rendered["table"]["mean_set_size"].iloc[0] == pytest.approx(per_token["mean_set_size"].iloc[0])
 
 
 # --- the prefetch explorer, driven in plain Python (ipywidgets objects work without a browser)
@@ -79,7 +103,7 @@ def _controls(box):
     """The explorer's rule dropdown, and the sliders and labels a reader sees (display not 'none')."""
     import ipywidgets as W
 
-    row = box.children[0].children
+    row = box.children
     dropdown = next(w for w in row if isinstance(w, W.Dropdown))
     sliders = [w for w in row if isinstance(w, (W.IntSlider, W.FloatSlider)) and w.layout.display != "none"]
     labels = [w for w in row if isinstance(w, W.Label) and w.layout.display != "none"]
@@ -147,9 +171,9 @@ def test_set_bounds_moves_either_way_without_min_above_max():
     import ipywidgets as W
 
     s = W.FloatSlider(min=0.5, max=0.99, value=0.9)
-    widgets._set_bounds(s, 50.0, 99.0, 1.0, 75.0)  # up past the old max
+    widgets.set_bounds(s, 50.0, 99.0, 1.0, 75.0)  # up past the old max
     assert (s.min, s.max, s.value) == (50.0, 99.0, 75.0)
-    widgets._set_bounds(s, 0.5, 0.99, 0.01, 0.9)  # down below the old min
+    widgets.set_bounds(s, 0.5, 0.99, 0.01, 0.9)  # down below the old min
     assert (s.min, s.max, s.value) == (0.5, 0.99, 0.9)
 
 
@@ -196,14 +220,40 @@ def test_threshold_table_and_explorer():
     trace, shape, hw = _recorded()
     slots = shape.num_moe_layers * shape.num_experts // 4
     none = tables.threshold_table(trace, shape, hw, slots, "drop", 0.0)  # nothing is below a share of 0
-    assert none["decode tok/s"].iloc[1] == pytest.approx(none["decode tok/s"].iloc[0])
+    assert none["simulated decode tok/s"].iloc[1] == pytest.approx(none["simulated decode tok/s"].iloc[0])
     every = tables.threshold_table(trace, shape, hw, slots, "drop", 1.0)  # every decode miss dropped
     assert every["experts moved per token"].iloc[1] < every["experts moved per token"].iloc[0]
-    measured = pd.DataFrame({"policy": ["drop", "drop"], "threshold": [0.1, 0.5], "perplexity change": [0.01, 0.2],
-                             "greedy agreement": [0.95, 0.7]})
-    t = tables.threshold_table(trace, shape, hw, slots, "drop", 0.4, measured)
-    assert t["measured agreement"].iloc[1] == 0.7  # the nearest measured threshold is 0.5
+    measured = pd.DataFrame({"policy": ["fate", "drop", "drop"], "threshold": [None, 0.1, 0.5],
+                             "perplexity change": [0.0, 0.01, 0.2], "greedy agreement": [1.0, 0.95, 0.7],
+                             "speed vs fate": [1.0, 1.1, 1.4]})
+    t = tables.threshold_table(trace, shape, hw, slots, "drop", 0.5, measured)
+    assert t["greedy agreement"].iloc[1] == 0.7 and t["measured speed vs fate"].iloc[1] == 1.4
+    off = tables.threshold_table(trace, shape, hw, slots, "drop", 0.4, measured)  # not measured: no quality shown
+    assert off["greedy agreement"].isna().iloc[1]
     with pytest.raises(ValueError, match="lossy rule"):
         tables.threshold_table(trace, shape, hw, slots, "skip", 0.1)
     box = widgets.threshold_explorer(trace, shape, hw, slots, measured)
-    assert box.rendered["kind"] == "drop"
+    slider = next(w for w in box.children if type(w).__name__ == "SelectionSlider")
+    assert list(slider.options) == [0.1, 0.5]  # only what was measured
+    slider.value = 0.5
+    assert box.rendered["threshold"] == 0.5
+    pd.testing.assert_frame_equal(box.rendered["table"], tables.threshold_table(trace, shape, hw, slots, "drop", 0.5,
+                                                                               measured))
+    with pytest.raises(ValueError, match="no lossy rule with a measured threshold"):
+        widgets.threshold_explorer(trace, shape, hw, slots, measured[measured["policy"] == "fate"])
+
+
+def test_plan_explorer_draws_the_plan_a_direct_call_gives():
+    from fate_lab.study import plan as P
+    from fate_lab.study.widgets import deploy
+
+    box = widgets.plan_explorer("tiny_moe", "rtx3090", 0.07, presets=("load_on_demand", "lru", "fate"))
+    args = box.rendered["args"]
+    direct = P.plan(**args)
+    pd_equal = deploy.plan_rows(direct).equals(deploy.plan_rows(box.rendered["plan"]))
+    assert pd_equal and box.rendered["plan"].best == direct.best
+    model = box.children[0]
+    model.value = "tiny_deepseek"  # the budget slider moves into this model's range, and the plan follows
+    assert box.rendered["args"]["model"] == "tiny_deepseek"
+    lo, hi = deploy.budget_range("tiny_deepseek", "rtx3090")
+    assert lo <= box.children[3].value <= hi

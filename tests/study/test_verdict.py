@@ -1,0 +1,81 @@
+"""Verdicts computed from data (study/verdict.py): each builder on hand examples, both sides of its line."""
+import math
+
+import pytest
+
+from fate_lab.study import verdict as v
+
+
+def test_close_agrees_inside_the_tolerance_and_disagrees_outside_with_the_gap():
+    ok = v.close("cosine", 0.8883, 0.8706, 0.05, reference="88.83%")
+    assert (ok.verdict, ok.reason, ok.ours) == ("agrees", "within ±5 points of 88.83%", "87.1%")
+    bad = v.close("hit rate", 0.9908, 0.598, 0.05, reference="99.08%")
+    assert bad.verdict == "disagrees" and bad.reason == "39.3 points below 99.08%, outside ±5 points"
+    high = v.close("cosine", 0.8883, 0.957, 0.05, reference="88.83%")
+    assert high.reason.startswith("6.9 points above")
+    x = v.close("sim / runtime", 1.0, 0.245, 0.10, unit="x", source="target", detail="all_resident")
+    assert (x.verdict, x.ours, x.reason) == ("disagrees", "0.245x (all_resident)", "76% below 1.00x, outside ±10%")
+
+
+def test_close_without_a_number_is_not_comparable():
+    c = v.close("recall", 0.97, float("nan"), 0.05)
+    assert c.verdict == "not comparable" and c.reason == "no number measured" and c.ours == "—"
+
+
+def test_beats_uses_the_spread_and_the_margin():
+    assert v.beats("speed-up", 1.5, 1.0, "up to 4.1x", spread=0.1).verdict == "agrees"
+    assert v.beats("speed-up", 0.9, 1.0, "2.2x", spread=0.05).verdict == "disagrees"
+    tight = v.beats("speed-up", 0.963, 1.0, "2.2x", spread=0.06)  # 0.963 +- 6% reaches 1.0: cannot tell
+    assert tight.verdict == "not comparable" and "too close to tell" in tight.reason
+    assert v.beats("entropy", 0.758, 0.757, "shallow flatter", unit="", margin=0.02).verdict == "not comparable"
+    assert v.beats("entropy", 0.80, 0.757, "shallow flatter", unit="", margin=0.02).verdict == "agrees"
+    below = v.beats("top-1, first vs last", 0.414, 0.230, "first below last", unit="", above=False)
+    assert below.verdict == "disagrees" and below.reason == "0.414 is not below 0.230"
+    paired = v.beats("speed-up", (2.25, 0.07), 1.0, "up to 4.1x", magnitude=4.1)  # a (value, spread) pair
+    assert paired.spread == 0.07 and paired.ours == "2.25x ±7%" and "the paper's 4.10x is not reached" in paired.reason
+
+
+def test_at_least_widens_its_tolerance_by_the_spread():
+    assert v.at_least("resident vs plain", 0.95, 1.0, 0.0).verdict == "disagrees"
+    assert v.at_least("resident vs plain", (0.95, 0.1), 1.0).verdict == "agrees"  # 5% below, spread 10%
+    assert v.at_least("resident vs plain", 1.3, 1.0).reason == "1.30x is at least 1.00x"
+
+
+def test_holds_and_not_comparable():
+    assert v.holds("same text", True, "True").verdict == "agrees"
+    assert v.holds("same text", False, "False", reason="2 presets differ").why == "2 presets differ"
+    with pytest.raises(TypeError, match="bool"):
+        v.holds("same text", 1, "1")
+    with pytest.raises(ValueError, match="say why"):
+        v.not_comparable("x", "a figure", "0.5", "")
+
+
+def test_hidden_structure_names_the_pair_a_mean_hides():
+    pairs = {"layers 0→1": 0.343, "layers 1→2": 0.935, "layers 2→3": 0.942, "layers 3→4": 0.970}
+    assert v.outliers(pairs, 0.1) == {"layers 0→1": 0.343}
+    assert v.hidden_structure(pairs, 0.1) == "the mean hides layers 0→1 at 34.3% (the others 93.5%–97.0%)"
+    assert v.hidden_structure({k: 0.95 for k in pairs}, 0.1) == ""
+    assert v.outliers({"a": 0.1, "b": 0.9}, 0.1) == {}  # too few values to call one an outlier
+    claim = v.close("cosine", 0.8883, 0.7975, 0.05, structure=v.hidden_structure(pairs, 0.1))
+    assert claim.why.endswith("; the mean hides layers 0→1 at 34.3% (the others 93.5%–97.0%)")
+
+
+def test_claims_round_trip_as_data_and_refuse_unknown_fields():
+    c = v.beats("speed-up", (2.25, 0.07), 1.0, "up to 4.1x", magnitude=4.1)
+    assert v.Claim.from_dict(c.as_dict()) == c
+    with pytest.raises(ValueError, match="not fields"):
+        v.Claim.from_dict({**c.as_dict(), "verdict_words": "agrees"})
+    with pytest.raises(ValueError, match="verdict"):
+        v.Claim("q", "r", "o", "fine", "why", "close")
+
+
+@pytest.mark.parametrize("x, text", [(12345, "12,300"), (0.001234, "0.00123"), (99.08, "99.1"), (1.5, "1.50"),
+                                     (5265.2, "5,270"), (0, "0"), (8e-13, "8.00e-13"), (float("nan"), "—"),
+                                     (-0.5, "-0.500")])
+def test_three_significant_digits(x, text):
+    assert v.sig(x) == text
+
+
+def test_fmt_by_unit():
+    assert (v.fmt(0.5, "%"), v.fmt(2.0, "x"), v.fmt(18.4, "pts"), v.fmt(None), v.fmt(math.nan, "%")) == \
+        ("50.0%", "2.00x", "+18.4 points", "—", "—")
