@@ -206,10 +206,11 @@ class DriverCore:
     # --- LinkContext ---------------------------------------------------------------------
     def spec(self, m: int, reason: str) -> QuantSpec | None:
         """The precision expert transfers of MoE layer m travel at for reason (None: full); a "prefetch_low"
-        (`prefetch_low`: a late prefetch sent low) travels at the miss precision."""
+        (`prefetch_low`: a late prefetch sent low) travels at the miss precision, a "fill" (`host_fill`) at the
+        prefetch precision."""
         if self.quant is None:
             return None
-        return self.quant.precision_for(m, "miss" if reason == "prefetch_low" else reason)
+        return self.quant.precision_for(m, {"prefetch_low": "miss", "fill": "prefetch"}.get(reason, reason))
 
     def landed(self, m: int, nbytes: int, spec: QuantSpec | None) -> None:
         """Count a landed transfer's bytes and precision."""

@@ -16,8 +16,9 @@ Driven by the same three drivers through the same `Link` protocol (plus `Link.vi
   (`value.UseRate`, decayed use counts; `value.worth_admitting`), instead of always evicting the LRU victim;
 - host fill (`host_fill`, with host compute): a decode miss computed on the host is also loaded in the
   background into the cache (non-urgent, admitted by worth, at most what the link can finish within one layer
-  time), so the cache keeps learning while no step waits for the link; a needed prefetch the link has not
-  started yet is cancelled and treated as a miss (the host may take it) instead of being waited for.
+  time; reason "fill", at the prefetch precision), so the cache keeps learning while no step waits for the
+  link; a needed load the link has not started yet is cancelled and treated as a miss (the host may take it)
+  instead of being waited for.
 On an instant link (no `LinkView`) the value planner queues every candidate, nearer layer and better rank first.
 What it is not: a mechanism -- it moves no bytes and reads no clock; the times are the link's estimates.
 """
@@ -133,8 +134,8 @@ class ValueCache(ExpertCache):
         """Cancel layer n's prefetches the link has not started (they are re-planned; each counts as wasted)."""
         layer = self.layers[n]
         for e, inf in list(layer.inflight.items()):
-            if inf.urgent or not self.link.cancel(inf.handle):
-                continue
+            if inf.urgent or inf.reason == "fill" or not self.link.cancel(inf.handle):
+                continue  # demand loads and background fills are not prefetches to re-plan
             del layer.inflight[e]
             if e in layer.staged:
                 self._release(layer.staged.pop(e))
@@ -168,15 +169,20 @@ class ValueCache(ExpertCache):
         for e in sorted(experts, key=lambda x: (-self.rates[m].rate(x), x)):
             if clock + view.prefetch_s > view.layer_s:
                 break
-            protect = frozenset(layer.inflight) | frozenset(layer.pending)
-            if e in layer.where or e in layer.inflight or not self._worth(m, e, protect):
+            if e in layer.inflight:
                 continue
-            slot = self._reserve(m, e, protect, for_prefetch=False)
-            if slot is None:
-                continue
-            if e in layer.staged:  # no cache slot came free: do not hold a staging slot for it
-                self._release(layer.staged.pop(e))
-                continue
-            self._submit(m, e, slot, urgent=False, reason="prefetch")
+            if e in layer.where:  # its slot is reserved but its bytes never came (a cancelled load): fill it
+                slot = layer.where[e]
+            else:
+                protect = frozenset(layer.inflight) | frozenset(layer.pending)
+                if not self._worth(m, e, protect):
+                    continue
+                slot = self._reserve(m, e, protect, for_prefetch=False)
+                if slot is None:
+                    continue
+                if e in layer.staged:  # no cache slot came free: do not hold a staging slot for it
+                    self._release(layer.staged.pop(e))
+                    continue
+            self._submit(m, e, slot, urgent=False, reason="fill")
             self.stats[m][self.phase].filled += 1
             clock += view.prefetch_s

@@ -136,7 +136,7 @@ def test_host_fill_loads_a_host_computed_miss_in_the_background_and_it_hits_next
     place = HostPlacement("cost", frozenset(), lambda n: 0.1, transfer_s=0.4)
     c = _vcache(link, (1,), top_k=1, buffers=0, placement=place, host_fill=True, value_prefetch=False)
     assert _call(c, 0, [5]) == [(5, HOST)]
-    assert link.submitted == [(0, 5, 0, False, "prefetch")] and c.stats[0]["decode"].filled == 1
+    assert link.submitted == [(0, 5, 0, False, "fill")] and c.stats[0]["decode"].filled == 1
     link.land(0)
     assert _call(c, 0, [5]) == [(5, 0)] and c.stats[0]["decode"].hits == 1
     link.timing = LinkView(1.0, 0.7, 0.4, 0.4)  # the link is busy for 0.7 of the next layer: no room to fill
@@ -163,4 +163,18 @@ def test_a_used_prefetch_evicts_only_an_expert_used_less():
     c.prefetch_ahead(0, [(1, [3])])
     assert _call(c, 1, [3]) == [(3, 4)]  # used from staging; rate 1 < 2's 2.44: not promoted
     assert c.layers[1].where == {2: 1} and _call(c, 1, [2]) == [(2, 1)]
+    c.check_slots()
+
+
+def test_a_fill_not_started_is_left_alone_by_replanning_and_refilled_after_the_host_took_it():
+    link = ScriptedLink()
+    link.timing = LinkView(1.0, 0.0, 0.4, 0.4)
+    place = HostPlacement("cost", frozenset(), lambda n: 0.1, transfer_s=0.4)
+    c = _vcache(link, (1, 1), top_k=1, buffers=1, placement=place, host_fill=True)  # [0 | 1 | d 2 | A 3 | B 4]
+    assert _call(c, 1, [5]) == [(5, HOST)] and link.submitted == [(1, 5, 1, False, "fill")]
+    c.prefetch_ahead(0, [(1, [6])])  # re-planning layer 1 cancels prefetches, never the fill
+    assert link.cancelled == [] and link.submitted[-1] == (1, 6, 4, False, "prefetch")
+    assert _call(c, 1, [5]) == [(5, HOST)]  # the fill never started: cancelled, the host takes 5 ...
+    assert link.cancelled[0] == (1, 5, 1, False, "fill") and link.submitted[-1] == (1, 5, 1, False, "fill")
+    assert c.layers[1].where == {5: 1}  # ... and it is filled again into the slot it kept
     c.check_slots()
