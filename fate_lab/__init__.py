@@ -37,6 +37,22 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+def _plan_request(config, shape, hardware, model):
+    """Resolve an `auto` / `auto_quant` config with the planner (imported only when one is asked for)."""
+    from fate_lab.study.auto import resolve
+
+    return resolve(config, shape=shape, hardware=hardware, model=model)
+
+
+def _register_planner() -> None:
+    from fate_lab.core import autoplan
+
+    autoplan.set_resolver(_plan_request)
+
+
+_register_planner()
+
+
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)

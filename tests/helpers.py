@@ -36,6 +36,7 @@ class ScriptedLink:
 
     def __init__(self, instant: bool = False, capacity: int | None = None):
         self.instant, self.cap = instant, capacity
+        self.timing = None  # what `view` answers (value-cache tests)
         self.submitted: list[tuple] = []
         self.landed: set[int] = set()
         self.started: set[int] = set()
@@ -82,6 +83,10 @@ class ScriptedLink:
 
     def capacity(self, m):
         return self.cap
+
+    def view(self, m):
+        """The link's timing a value-cache test sets (`timing`: a `value.LinkView`, or None as on an instant link)."""
+        return self.timing
 
     def kinds(self) -> list[str]:
         """'demand' / 'prefetch' of every submission, in order."""

@@ -26,6 +26,9 @@ class OffloadConfig:
     link: str = "pcie3_x16"  # hardware.links.LINK_PROFILES key ("instant": transfers land inside submit),
     # or a hardware.setups.SETUPS key: that setup's link scaled to this machine's clock
     predictor: str | None = "cross_layer_gate"  # None | "cross_layer_gate" | "activation_path" | "learned_gate"
+    # | "activation_matrix" (MoE-Infinity's request-level activation matrices, the "eap" preset)
+    activation_collection: tuple | None = None  # predictor="activation_matrix": profiled matrices [C][L][E] (counts,
+    # `predictors.activation_matrices` of a calibration trace); None: collected online as prompts finish
     probes: str | None = None  # predictor="learned_gate": the model folder keeping probes.safetensors
     # (python -m fate_lab.policy.probes --fit); None: the folder of the model being run
     rule: SelectionRule | None = Percentile(75.0)  # cross-layer gate rule; None: TopK(model top_k)
@@ -47,6 +50,15 @@ class OffloadConfig:
     # still start (1: before the next layer; 2: also during it, landing for a later token's reuse)
     admit_prefetch: str = "on_use"  # "on_use": a prefetched expert waits in staging and enters the
     # cache when used; "on_load": it is admitted into the cache when queued (may evict)
+    prefetch_value: bool = False  # decode prefetches chosen, ordered and cancelled by expected stall saved against
+    # the link time they take from demand loads; a used prefetch evicts only an expert used less
+    # (policy/value_cache.py; prefill keeps the rule above). prefetch_budget/prefetch_window then do not apply
+    prefetch_depth: int = 1  # prefetch_value: 2 also predicts layer m+2 from layer m's gate input (cross-layer gate)
+    prefetch_low: bool = False  # prefetch_value with quant: a prefetch too late at its precision may travel at the
+    # miss precision (Fate's INT2) when that saves more stall
+    host_fill: bool = False  # host="cost": a decode miss computed on the host is also loaded in the background into
+    # the cache (within one layer of link time, evicting only an expert used less); a needed prefetch not started
+    # yet becomes a miss the host may take
     context_len: int = 512  # tokens of KV cache the budget must hold
     store: str = "ram"  # "ram" | "ssd" (read experts from `checkpoint` safetensors on demand)
     checkpoint: str | None = None  # safetensors file/folder for store="ssd"
@@ -72,16 +84,20 @@ class OffloadConfig:
     # (python -m fate_lab.policy.similarity --model DIR); None: the folder of the model being run
     host_profile: str = "desktop_ddr4"  # host.HOST_PROFILES key: the CPU whose time a host call takes
     # (emulated on a CPU-only machine: the expert really computes, then the call holds for that time)
+    auto: str | None = None  # a plan request ("auto" / "auto_quant" presets): "lossless" | "quant"; resolved into a
+    # concrete config by the planner (fate_lab/study/auto.py) from a calibration trace before a driver builds it
 
     @staticmethod
-    def preset_names(include_quant: bool = False) -> list[str]:
-        """Names accepted by `preset`; the quantized and lossy ones (whose output differs) only with include_quant."""
-        return list(_PRESETS) + (list(_QUANT_PRESETS) if include_quant else [])
+    def preset_names(include_quant: bool = False, include_auto: bool = False) -> list[str]:
+        """Names accepted by `preset`; the quantized and lossy ones (whose output differs) only with include_quant,
+        the planned ones (`auto`, `auto_quant`: resolved from a calibration first) only with include_auto."""
+        auto = [n for n, c in _AUTO_PRESETS.items() if include_quant or c.auto == "lossless"] if include_auto else []
+        return list(_PRESETS) + (list(_QUANT_PRESETS) if include_quant else []) + auto
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "OffloadConfig":
         """A named baseline with any field overridden (budget=..., slots=..., link=..., ...)."""
-        known = {**_PRESETS, **_QUANT_PRESETS}
+        known = {**_PRESETS, **_QUANT_PRESETS, **_AUTO_PRESETS}
         if name not in known:
             raise ValueError(f"unknown preset {name!r}; choose one of {list(known)}")
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
@@ -93,7 +109,7 @@ class OffloadConfig:
         _check(self)
 
 
-PREDICTORS = (None, "cross_layer_gate", "activation_path", "learned_gate")
+PREDICTORS = (None, "cross_layer_gate", "activation_path", "learned_gate", "activation_matrix")
 
 
 def _is_int(v) -> bool:
@@ -119,7 +135,7 @@ def _check(c: OffloadConfig) -> None:
 
     choices = {"prefetch_budget": ("link", "all"), "admit_prefetch": ("on_use", "on_load"), "store": ("ram", "ssd"),
                "host": (None, "cost", "layers"), "predictor": PREDICTORS, "lossy": (None, *LOSSY_KINDS),
-               "allocation": tuple(ALLOCATIONS)}
+               "allocation": tuple(ALLOCATIONS), "prefetch_depth": (1, 2), "auto": (None, "lossless", "quant")}
     for field, allowed in choices.items():
         if getattr(c, field) not in allowed:
             fail(field, f"choose one of {list(allowed)}")
@@ -127,7 +143,8 @@ def _check(c: OffloadConfig) -> None:
         fail("link", f"choose 'instant', a link ({', '.join(link_names())})")
     if not isinstance(c.replacement, str) or c.replacement.lower() not in POLICIES:
         fail("replacement", f"choose one of {sorted(POLICIES)}")
-    for field in ("cache", "all_resident", "popularity_order", "native_link", "timeline"):
+    for field in ("cache", "all_resident", "popularity_order", "native_link", "timeline", "prefetch_value",
+                  "prefetch_low", "host_fill"):
         if not isinstance(getattr(c, field), bool):
             fail(field, "give True or False")
     for field, unit in (("budget", "bytes"), ("slots", "expert slots"), ("shallow_layers", "MoE layers"),
@@ -175,6 +192,23 @@ def _check(c: OffloadConfig) -> None:
     if c.host is not None and c.quant is not None:
         raise ValueError("host compute runs full-precision experts; it cannot be combined with quant="
                          f"{c.quant!r} (choose one)")
+    if c.prefetch_depth == 2 and not (c.prefetch_value and c.predictor == "cross_layer_gate"):
+        raise ValueError("OffloadConfig(prefetch_depth=2) predicts two layers ahead with the cross-layer gate and is "
+                         "planned by value: set predictor='cross_layer_gate' and prefetch_value=True")
+    if c.prefetch_low and not (c.prefetch_value and c.quant is not None):
+        raise ValueError("OffloadConfig(prefetch_low=True) lets a late prefetch travel at the miss precision: it needs "
+                         "quant=... (e.g. 'fate') and prefetch_value=True")
+    if c.host_fill and c.host != "cost":
+        raise ValueError("OffloadConfig(host_fill=True) loads host-computed misses in the background: set host='cost'")
+    if c.activation_collection is not None:
+        m = c.activation_collection
+        if c.predictor != "activation_matrix":
+            raise ValueError("OffloadConfig.activation_collection is read by predictor='activation_matrix' only")
+        if not (isinstance(m, tuple) and all(isinstance(x, tuple) and x and all(isinstance(r, tuple) for r in x)
+                                             for x in m)):
+            fail("activation_collection", "give a tuple of matrices, each a tuple of rows (tuples of counts), or None")
+    if c.auto == "quant" and c.quant is None:
+        raise ValueError("OffloadConfig(auto='quant') plans quantized configs: give quant=... (e.g. 'fate')")
     # store="ssd" without checkpoint= is valid here: load_offloaded fills it in; offload() refuses it without one
 
 
@@ -194,6 +228,10 @@ _PRESETS: dict[str, OffloadConfig] = {
     # EAP baseline: expert-activation-path history predictor, LRU cache
     "activation_path": OffloadConfig("activation_path", predictor="activation_path", allocation="uniform",
                                      replacement="lru", prefetch_budget="all", admit_prefetch="on_load"),
+    # EAP as MoE-Infinity traces it: request-level expert activation matrices matched against earlier requests
+    # (docs/fate_vs_eap.md), with activation_path's cache and prefetch mechanics
+    "eap": OffloadConfig("eap", predictor="activation_matrix", allocation="uniform", replacement="lru",
+                         prefetch_budget="all", admit_prefetch="on_load"),
     # Fate: cross-layer gate + 75th-percentile expansion, shallow-favoring allocation, ARC; prefetches
     # wait in staging and enter the cache on use, at most what the link can start within 4 layer times
     # (the variant the simulator's sweep over link speeds kept: benchmarks/results/prefetch_variants_*.md)
@@ -229,4 +267,9 @@ _QUANT_PRESETS: dict[str, OffloadConfig] = {
     "standin": dataclasses.replace(_PRESETS["fate"], name="standin", lossy="standin", standin_window=4),
 }
 
-
+# Plan requests: the planner (fate_lab/study/auto.py) picks allocation, replacement, prediction, host placement
+# and precision per model, setup and budget from a calibration trace; `offload` and `simulate` resolve them.
+_AUTO_PRESETS: dict[str, OffloadConfig] = {
+    "auto": OffloadConfig("auto", auto="lossless"),  # lossless: exact tokens
+    "auto_quant": OffloadConfig("auto_quant", auto="quant", quant="fate"),  # quantized: Fate's precisions or higher
+}

@@ -6,7 +6,8 @@ What this file is: `DriverCore`, built from one `OffloadConfig`, one `ModelShape
   3. the stats every driver returns (`policy/stats.RunStats`);
   4. the host placement (which misses compute on the host, `policy/placement.py`);
   5. the predictor and the lossy miss rule (`core/parts.py`), and the layer step's rules;
-  6. the one expert cache, over the driver's own link (`build_cache`), and the all-resident preload;
+  6. the one expert cache, over the driver's own link (`build_cache`: the value cache when a value knob is on),
+     and the all-resident preload;
 and the bookkeeping every driver repeats per forward: the phase, the per-phase layer-time estimate (an
 EMA, the prefetch window), precisions by reason, timeline events, stall time. A link (real engine,
 simulated, instant) sees the core only through `LinkContext`, a narrow named protocol.
@@ -20,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from fate_lab.core.autoplan import resolved
 from fate_lab.core.config import OffloadConfig
 from fate_lab.core.parts import build_miss_policy, build_predictor
 from fate_lab.core.shape import ModelShape
@@ -27,12 +29,15 @@ from fate_lab.core.sizing import STANDIN_SPEC, slot_sizing, standin_pool_bytes
 from fate_lab.hardware.setups import Hardware
 from fate_lab.policy.cache import ExpertCache, Link
 from fate_lab.policy.placement import HostPlacement, host_layer_set
+from fate_lab.policy.predictors import Predictor
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.replacement import ReplacementPolicy
 from fate_lab.policy.registry import policy_from_name
 from fate_lab.policy.rules import RouterScores
 from fate_lab.policy.stats import PHASES, PhaseStats, RunStats
 from fate_lab.policy.step import LayerCall, StepRules, run_layer
+from fate_lab.policy.value import LinkView
+from fate_lab.policy.value_cache import ValueCache
 from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
 
 STALL_MIN_S = 2e-5  # a wait shorter than this is bookkeeping, not a stall
@@ -54,6 +59,17 @@ def link_capacity(window_s: float | None, backlog_s: float, transfer_s: float) -
     if window_s is None or transfer_s <= 0:
         return None
     return max(0, math.ceil((window_s - backlog_s) / transfer_s - 1e-9))
+
+
+def link_view(ctx: "LinkContext", m: int, backlog_s: float, seconds) -> LinkView | None:
+    """The value planner's `LinkView` of a timed link for layer m's transfers: the phase's layer-time estimate,
+    the link's backlog, and seconds(spec) of one transfer at each reason's precision. None before the first
+    forward of the phase has been timed (the value cache then keeps the plain rule)."""
+    layer = ctx.layer_s()
+    if layer is None:
+        return None
+    return LinkView(layer, backlog_s, seconds(ctx.spec(m, "prefetch")), seconds(ctx.spec(m, "miss")),
+                    low_s=seconds(ctx.spec(m, "prefetch_low")))
 
 
 def scaling_bytes(shape: ModelShape, quant: QuantPolicy | None) -> int:
@@ -85,17 +101,23 @@ class LinkContext(Protocol):
     def prefetch_window_s(self) -> float | None:
         """Seconds ahead a prefetch may still start (layer-time estimate x prefetch_window); None: unknown yet."""
 
+    def layer_s(self) -> float | None:
+        """The phase's estimate of one layer's compute time (stall excluded); None: no forward timed yet."""
+
 
 class DriverCore:
     """Everything a driver builds from (config, shape, hardware), and the per-forward bookkeeping."""
 
     def __init__(self, config: OffloadConfig, shape: ModelShape, hardware: Hardware, *, driver: str,
-                 router: RouterScores | None = None, store: str = "", link_note: str = "", miss_curves=None):
+                 router: RouterScores | None = None, store: str = "", link_note: str = "", miss_curves=None,
+                 predictor: Predictor | None = None):
         """driver: "runtime" | "simulator" | "replay" (names the stats); router: every MoE layer's router on
-        the host (None: a routing-only trace); miss_curves(): LRU curves for allocation="miss_curve"."""
+        the host (None: a routing-only trace); miss_curves(): LRU curves for allocation="miss_curve";
+        predictor: one to use instead of the config's (a study's bound, e.g. the simulator's oracle)."""
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate')), got "
                             f"{type(config).__name__}")
+        config = resolved(config, shape, hardware)  # a plan request (auto) becomes a concrete config
         self.config, self.shape, self.driver = config, shape, driver
         M, E, K = shape.num_moe_layers, shape.num_experts, shape.top_k
         es = shape.expert_shapes()
@@ -137,9 +159,10 @@ class DriverCore:
                                            self.host_time, hardware.transfer_s(shape.nbytes(None)))
         # 5. the policies and the layer step's rules
         self.miss_policy = build_miss_policy(config, shape)
-        self.predictor = build_predictor(config, shape)
+        self.predictor = predictor if predictor is not None else build_predictor(config, shape)
         self.rules = StepRules(self.predictor, router, config.popularity_order, self.miss_policy,
-                               self.quant.prefill_low_count if self.quant is not None else None)
+                               self.quant.prefill_low_count if self.quant is not None else None,
+                               depth=config.prefetch_depth)
         # per-forward state
         self.phase = "prefill"
         self.window_s: dict[str, float] = {}  # per phase: EMA of one layer's compute time (no stall)
@@ -163,9 +186,14 @@ class DriverCore:
     def build_cache(self, link: Link) -> ExpertCache:
         """The one expert cache over this driver's link, with the config's flags."""
         c = self.config
-        self.cache = ExpertCache(self.slots_per_layer, self.replacement, self.shape.top_k, self.prefetch_buffers, link,
-                                 self.stats.layers, cache=c.cache, admit_on_use=c.admit_prefetch == "on_use",
-                                 link_budget=c.prefetch_budget == "link", placement=self.placement)
+        value = {}
+        cls = ExpertCache
+        if c.prefetch_value or c.host_fill:  # the opt-in value knobs: the cache that plans (value_cache.py)
+            cls, value = ValueCache, {"value_prefetch": c.prefetch_value, "host_fill": c.host_fill,
+                                      "low_offered": c.prefetch_low}
+        self.cache = cls(self.slots_per_layer, self.replacement, self.shape.top_k, self.prefetch_buffers, link,
+                         self.stats.layers, cache=c.cache, admit_on_use=c.admit_prefetch == "on_use",
+                         link_budget=c.prefetch_budget == "link", placement=self.placement, **value)
         assert self.cache.num_slots == self.num_slots
         return self.cache
 
@@ -178,8 +206,12 @@ class DriverCore:
 
     # --- LinkContext ---------------------------------------------------------------------
     def spec(self, m: int, reason: str) -> QuantSpec | None:
-        """The precision expert transfers of MoE layer m travel at for reason (None: full)."""
-        return None if self.quant is None else self.quant.precision_for(m, reason)
+        """The precision expert transfers of MoE layer m travel at for reason (None: full); a "prefetch_low"
+        (`prefetch_low`: a late prefetch sent low) travels at the miss precision, a "fill" (`host_fill`) at the
+        prefetch precision."""
+        if self.quant is None:
+            return None
+        return self.quant.precision_for(m, {"prefetch_low": "miss", "fill": "prefetch"}.get(reason, reason))
 
     def landed(self, m: int, nbytes: int, spec: QuantSpec | None) -> None:
         """Count a landed transfer's bytes and precision."""
@@ -203,6 +235,10 @@ class DriverCore:
         """The layer-time estimate of this phase times the config's prefetch window (None before a forward)."""
         w = self.window_s.get(self.phase)
         return None if w is None else w * self.config.prefetch_window
+
+    def layer_s(self) -> float | None:
+        """This phase's estimate of one layer's compute time (an EMA over forwards, stall excluded)."""
+        return self.window_s.get(self.phase)
 
     # --- per forward -----------------------------------------------------------------------
     def begin_forward(self, phase: str) -> None:

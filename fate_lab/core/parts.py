@@ -10,7 +10,7 @@ from __future__ import annotations
 from fate_lab.core.config import PREDICTORS, OffloadConfig
 from fate_lab.core.shape import ModelShape
 from fate_lab.policy.lossy import MissPolicy
-from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Predictor
+from fate_lab.policy.predictors import ActivationMatrix, ActivationPath, CrossLayerGate, Predictor
 from fate_lab.policy.rules import TopK
 
 
@@ -24,6 +24,11 @@ def build_predictor(config: OffloadConfig, shape: ModelShape) -> Predictor | Non
         return CrossLayerGate(config.rule if config.rule is not None else TopK(shape.top_k))
     if p == "activation_path":
         return ActivationPath()
+    if p == "activation_matrix":
+        import torch
+
+        seed = None if config.activation_collection is None else torch.tensor(config.activation_collection)
+        return ActivationMatrix(shape.num_moe_layers, shape.num_experts, collection=seed)
     if p == "learned_gate":
         from fate_lab.policy.probes import LearnedGate, load_probes
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from fate_lab.core.driver import LinkContext, link_capacity
+from fate_lab.core.driver import LinkContext, link_capacity, link_view
 from fate_lab.offloading.transfer import Transfer, TransferEngine
 
 
@@ -72,3 +72,10 @@ class EngineLink:
         spec = self.ctx.spec(m, "prefetch")
         return link_capacity(self.ctx.prefetch_window_s(), self.engine.backlog_s(),
                              self.engine.link.transfer_time(self.engine.nbytes(m, 0, spec)))
+
+    def view(self, m: int):
+        """The value planner's view of the link for layer m (`core.driver.link_view`); None on the instant link."""
+        if self.engine.link is None:
+            return None
+        return link_view(self.ctx, m, self.engine.backlog_s(),
+                         lambda spec: self.engine.link.transfer_time(self.engine.nbytes(m, 0, spec)))

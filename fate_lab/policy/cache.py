@@ -178,6 +178,13 @@ class ExpertCache:
             st.prefetch_issued += 1
         return len(moves)
 
+    def prefetch_ahead(self, m: int, targets: list[tuple[int, list[int]]],
+                       low_count: Callable[[int], int] | None = None) -> int:
+        """Queue what was predicted during layer m's call, targets [(layer, ids)] nearest first: this cache
+        prefetches the next layer only (`prefetch`); `value_cache.ValueCache` plans every target by value."""
+        n, predicted = targets[0]
+        return self.prefetch(n, predicted, low_count)
+
     def acquire(self, m: int, e: int) -> int:
         """The slot of expert e of layer m once its bytes are there (waits; reloads a failed transfer)."""
         layer = self.layers[m]

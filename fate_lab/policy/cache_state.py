@@ -1,7 +1,7 @@
 """The per-layer state of the one expert cache, and the `Link` protocol the cache drives.
 
 What this file is: `Link` (what the cache asks of its driver: submit, cancel, poll, wait, reload,
-capacity), `LayerState` (which expert of one MoE layer sits in which slot, what is in flight, staged,
+capacity, view), `LayerState` (which expert of one MoE layer sits in which slot, what is in flight, staged,
 pending, deferred, on the host, stood in for) and the two small records the cache keeps (`_Inflight`,
 `_Pool`), plus `HOST`, the "slot" of an expert computed on the host.
 What it is not: the state machine that changes them (`cache.py`).
@@ -36,6 +36,10 @@ class Link(Protocol):
 
     def capacity(self, m: int) -> int | None:
         """Prefetches the link can start before layer m needs them; None: no limit."""
+
+    def view(self, m: int) -> Any:
+        """The link's timing for layer m's transfers as a `value.LinkView` (None: an instant link, or no layer
+        time measured yet); only the value cache (`value_cache.py`) asks."""
 
 
 @dataclass(eq=False)

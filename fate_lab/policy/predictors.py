@@ -5,7 +5,9 @@ predicted for layer ``layer+1``, most probable first; ``observe(layer, experts)`
 ``layer``; ``scores(layer, gate_input, router)`` is the hook that says what the predictor reads for
 layer+1 from layer's gate input (None for history predictors); ``set_phase`` tells it prefill or decode.
 Fate's ``CrossLayerGate`` applies a selection rule (``rules.py``) to layer l+1's router on layer l's gate
-input; ``ActivationPath`` is the paper's EAP baseline; the rest are baselines and bounds.
+input; ``ActivationPath`` (token-level layer-to-layer affinity, learned online) and ``ActivationMatrix``
+(MoE-Infinity's request-level activation matrix) are the "expert activation path" baselines; the rest are
+baselines and bounds.
 What it is not: the rules (``rules.py``) or the metrics (``prediction_metrics.py``). No device, no
 thread, no model here.
 """
@@ -71,6 +73,11 @@ class Predictor:
     def observe(self, layer: int, experts: Tensor) -> None:
         """True routing of ``layer`` for the current token(s), ``[k]`` or ``[T, k]``."""
 
+    def predict_ahead(self, layer: int, gate_input: Tensor, router: RouterScores, distance: int) -> list[int] | None:
+        """Experts predicted for MoE layer ``layer + distance`` of ONE decode token from layer ``layer``'s gate
+        input ``[1, H]``, most probable first; None: this predictor sees one layer ahead only."""
+        return None
+
 
 class CrossLayerGate(Predictor):
     """Fate: apply a selection rule to the cross-layer gate scores of layer l+1."""
@@ -90,6 +97,12 @@ class CrossLayerGate(Predictor):
         if s.shape[0] == 1:  # a decode token: the plain-Python path
             return self.rule.ids_row(s[0].tolist())
         return _rank_union(self.rule.ids(s), s)
+
+    def predict_ahead(self, layer: int, gate_input: Tensor, router: RouterScores, distance: int) -> list[int] | None:
+        """Layer ``layer + distance``'s router applied to layer ``layer``'s gate input, through the same rule."""
+        if layer + distance >= len(router):
+            return None
+        return self.rule.ids_row(router.scores(layer + distance, gate_input)[0].tolist())  # (E,) one token
 
 
 class SameTokenPrevLayer(Predictor):
@@ -185,6 +198,77 @@ class ActivationPath(Predictor):
             self._learn(layer - 1, prev, rows)
         self._marg.setdefault(layer, Counter()).update(e for r in rows for e in r)
         self._cur[layer] = rows
+
+
+class ActivationMatrix(Predictor):
+    """MoE-Infinity's request-level expert activation matrix (EAM): the sequence-level "activation path" predictor.
+
+    Keeps the current sequence's matrix ``cur[l, e]`` (tokens routed to expert e of layer l since its prompt
+    began, prefill included) and a collection of the matrices of other sequences: ``collection`` ``[C, L, E]``
+    (a profiling trace's, `activation_matrices`), and every finished sequence joins it when the next prompt
+    starts (``capacity`` newest kept beyond the profiled ones). To predict layer l+1 it takes the collected
+    matrix most similar to ``cur`` (mean over layers of the cosine of the row-normalised rows, as MoE-Infinity's
+    tracer matches) and returns its ``n`` most used experts of layer l+1 (ties: the current sequence's own
+    count, then id); with nothing collected yet, the current sequence's own counts of layer l+1. ``n`` defaults
+    to the number of current experts (top-k). Unlike `ActivationPath` it reads no token's own path: what a
+    request did so far, matched against whole requests seen before.
+    """
+
+    name = "activation_matrix"
+
+    def __init__(self, num_layers: int, num_experts: int, n: int | None = None, collection: Tensor | None = None,
+                 capacity: int = 64):
+        self.L, self.E, self.n, self.capacity = num_layers, num_experts, n, capacity
+        seed = torch.zeros(0, num_layers, num_experts) if collection is None else torch.as_tensor(collection).float()
+        if seed.dim() != 3 or tuple(seed.shape[1:]) != (num_layers, num_experts):
+            raise ValueError(f"collection must be [C, {num_layers}, {num_experts}], got {tuple(seed.shape)}")
+        self._seed = seed
+        self._online: list[Tensor] = []
+        self._norm = self._normalised(seed)  # (C, L, E)
+        self._cur = torch.zeros(num_layers, num_experts)
+
+    @staticmethod
+    def _normalised(m: Tensor) -> Tensor:
+        """Rows scaled to unit length (zero rows stay zero): ``[..., L, E]``."""
+        return m / m.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+    def reset(self) -> None:
+        """A new prompt: the finished sequence joins the collection."""
+        if self._cur.sum() > 0:
+            self._online = (self._online + [self._cur])[-self.capacity:]
+            self._norm = self._normalised(torch.cat([self._seed, torch.stack(self._online)]))
+        self._cur = torch.zeros(self.L, self.E)
+
+    def predict(self, layer: int, next_scores: Tensor | None, cur_experts: Tensor) -> list[int]:
+        rows = _rows(cur_experts)
+        n = (self.n if self.n is not None else len(rows[0])) if len(rows) == 1 else self.E  # prefill: all seen
+        own = self._cur[layer + 1]  # (E,)
+        if self._norm.shape[0]:
+            cur = self._normalised(self._cur)  # (L, E)
+            best = int((self._norm * cur).sum(-1).mean(-1).argmax())  # (C,) -> the most similar matrix
+            score = self._norm[best, layer + 1]
+        else:
+            score = own
+        ids = sorted(range(self.E), key=lambda e: (-float(score[e]), -float(own[e]), e))
+        return [e for e in ids[:n] if float(score[e]) > 0 or float(own[e]) > 0]
+
+    def observe(self, layer: int, experts: Tensor) -> None:
+        for r in _rows(experts):
+            for e in r:
+                self._cur[layer, int(e)] += 1
+
+
+def activation_matrices(experts: Tensor, prompt_id: Tensor, num_experts: int) -> Tensor:
+    """One expert activation matrix per prompt of a trace: ``experts [N, L, k]``, ``prompt_id [N]`` ->
+    ``[C, L, E]`` counts (the profiling collection `ActivationMatrix` matches against)."""
+    ex, pid = torch.as_tensor(experts), torch.as_tensor(prompt_id)
+    out = []
+    for p in pid.unique(sorted=True).tolist():
+        rows = ex[pid == p]  # (n, L, k)
+        m = torch.zeros(ex.shape[1], num_experts)
+        m.scatter_add_(1, rows.permute(1, 0, 2).reshape(ex.shape[1], -1), torch.ones(ex.shape[1], rows.numel() // ex.shape[1]))
+        out.append(m)
+    return torch.stack(out) if out else torch.zeros(0, ex.shape[1], num_experts)
 
 
 class RandomPredictor(Predictor):

@@ -32,6 +32,7 @@ class PhaseStats:
     prefetch_issued: int = 0  # transfers queued by the predictor for this layer
     prefetch_useful: int = 0  # ... whose expert this layer then used
     prefetch_wasted: int = 0  # ... not used (cancelled while queued, or moved for nothing)
+    filled: int = 0  # background loads of host-computed misses into the cache (host_fill)
     predicted: int = 0  # predicted-set sizes summed (incl. already-resident experts)
     predicted_used: int = 0  # |predicted ∩ used| summed
     true_used: int = 0  # |used| summed, over calls that had a prediction

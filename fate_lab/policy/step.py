@@ -6,9 +6,9 @@ order, lossy miss rule, Fate's INT2 prefill tail) and `LayerCall` (one call: the
 gate input, how an expert computes) -- and `run_layer`, the sequence Fate's pipeline runs in every MoE
 layer m:
   1. the cache settles finished transfers, drops stale prefetches and queues the misses (urgent);
-  2. the predictor scores layer m+1 on the host from layer m's gate input and the cache queues
-     the predicted experts (most probable first, as many as the link can start in time when
-     the config says so);
+  2. the predictor scores layer m+1 on the host from layer m's gate input (and, at depth 2 in decode,
+     layer m+2 from the same input) and the cache queues the predicted experts (most probable first, as
+     many as the link can start in time when the config says so; by value in the value cache);
   3. layer m's experts compute one after another from their slots, waiting where a transfer
      is still on the link.
 What differs between drivers is only `LayerCall.compute(e, slot)` (real expert math, or simulated time;
@@ -38,6 +38,7 @@ class StepRules:
     popularity: bool = True  # prefill computes popular experts first
     miss_policy: MissPolicy | None = None  # lossy decode steps (None: every expert computes as routed)
     prefill_low_count: Callable[[int], int] | None = None  # of k prefill prefetches, how many travel at INT2
+    depth: int = 1  # 2: decode steps also predict layer m+2 from layer m's gate input (the value cache plans it)
 
 
 @dataclass
@@ -107,8 +108,18 @@ def run_layer(cache: ExpertCache, rules: StepRules, call: LayerCall) -> list[int
             return list(predictor.predict(m, None if s is None else (s[0] if s.shape[0] == 1 else s), cur))
 
         predicted = call.timed(predict) if call.timed is not None else predict()
+        targets = [(m + 1, predicted)]
+        if rules.depth > 1 and m + 2 < len(cache.layers) and cache.phase == "decode" and idx.shape[0] == 1:
+            def predict_far() -> list[int] | None:  # layer m+2's router on layer m's gate input
+                if call.gate_input is None or rules.router is None:
+                    return None
+                return predictor.predict_ahead(m, call.gate_input, rules.router, 2)
+
+            far = call.timed(predict_far) if call.timed is not None else predict_far()
+            if far is not None:
+                targets.append((m + 2, far))
         low = rules.prefill_low_count if cache.phase == "prefill" else None
-        cache.prefetch(m + 1, predicted, low)
+        cache.prefetch_ahead(m, targets, low)
     if predictor is not None:
         predictor.observe(m, idx)
     for e in order:

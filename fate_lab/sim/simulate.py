@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from fate_lab.core.config import OffloadConfig
-from fate_lab.core.driver import DriverCore, LinkContext, link_capacity
+from fate_lab.core.autoplan import resolved
+from fate_lab.core.driver import DriverCore, LinkContext, link_capacity, link_view
 from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.profiles import COMPUTE_PROFILES
@@ -148,14 +149,20 @@ class SimLink:
         return link_capacity(self.ctx.prefetch_window_s(), self.backlog_s(),
                              self._time(self.shape.nbytes(self.ctx.spec(m, "prefetch"))))
 
+    def view(self, m: int):
+        """The value planner's view of the link for layer m (`core.driver.link_view`); None on the instant link."""
+        if self.link is None:
+            return None
+        return link_view(self.ctx, m, self.backlog_s(), lambda spec: self._time(self.shape.nbytes(spec)))
+
 
 class Simulator:
     """The simulated driver: the driver core, a simulated clock and link, and the compute profile's times."""
 
     def __init__(self, config: OffloadConfig, hardware: Hardware, shape: ModelShape,
-                 router: RouterScores | None = None, miss_curves=None):
+                 router: RouterScores | None = None, miss_curves=None, predictor=None):
         self.core = DriverCore(config, shape, hardware, driver="simulator", router=router, store="simulated",
-                               miss_curves=miss_curves)
+                               miss_curves=miss_curves, predictor=predictor)
         self.hw, self.shape, self.config = self.core.hardware, shape, config
         if self.hw.compute is None:
             raise ValueError("the simulator needs a compute profile: Hardware(compute=ComputeProfile(...), link=...), "
@@ -274,12 +281,15 @@ def check_trace(trace: Trace, config: OffloadConfig, shape: ModelShape, router=N
 
 
 def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: ModelShape,
-             miss_curves=None, router=None) -> RunStats:
+             miss_curves=None, router=None, predictor=None) -> RunStats:
     """Run `config` over the trace on `hardware` (semantics in the module docstring); the predicted speeds are
     the returned stats' `ttft_s` and `decode_tok_s`. router: the model's own routers (`MoEAdapter.host_routers()`),
-    needed where the trace's router weights cannot reproduce them (a non-linear router); default: the trace's."""
+    needed where the trace's router weights cannot reproduce them (a non-linear router); default: the trace's.
+    A plan request (`auto`) is resolved first from a calibration trace of the shape's model (never this trace);
+    `predictor` replaces the config's (a study's bound)."""
+    config = resolved(config, shape, hardware)
     router = check_trace(trace, config, shape, router)
-    sim = Simulator(config, hardware, shape, router=router, miss_curves=miss_curves)
+    sim = Simulator(config, hardware, shape, router=router, miss_curves=miss_curves, predictor=predictor)
     gi = trace.gate_inputs.float() if router is not None else None
     for a, b in trace_steps(trace):
         sim.forward(trace.experts[a:b], None if gi is None else gi[a:b],

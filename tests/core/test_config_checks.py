@@ -26,6 +26,16 @@ CASES = [
     ({"predictor": "oracle"}, "predictor='oracle'"),
     ({"allocation": "greedy"}, "allocation='greedy'"),
     ({"slots": 4, "slots_per_layer": (1, 1)}, "give the cache size once"),
+    ({"prefetch_value": 1}, "prefetch_value=1: give True or False"),
+    ({"prefetch_depth": 3}, r"prefetch_depth=3: choose one of \[1, 2\]"),
+    ({"prefetch_depth": 2}, "prefetch_depth=2.*prefetch_value=True"),
+    ({"prefetch_depth": 2, "prefetch_value": True, "predictor": "activation_path"}, "predictor='cross_layer_gate'"),
+    ({"prefetch_low": True, "prefetch_value": True}, "prefetch_low=True.*needs quant="),
+    ({"host_fill": True}, "host_fill=True.*set host='cost'"),
+    ({"activation_collection": ((1,),)}, "predictor='activation_matrix' only"),
+    ({"predictor": "activation_matrix", "activation_collection": (1, 2)}, "activation_collection=.*tuple of matrices"),
+    ({"auto": "yes"}, "auto='yes'"),
+    ({"auto": "quant"}, "auto='quant'.*give quant="),
 ]
 
 
@@ -36,5 +46,12 @@ def test_a_bad_knob_is_refused_naming_it(kw, match):
 
 
 def test_every_preset_passes_its_own_checks():
-    for name in OffloadConfig.preset_names(include_quant=True):
+    for name in OffloadConfig.preset_names(include_quant=True, include_auto=True):
         assert OffloadConfig.preset(name).name == name
+
+
+def test_the_planned_presets_are_listed_apart():
+    assert "auto" not in OffloadConfig.preset_names(include_quant=True)
+    assert OffloadConfig.preset_names(include_auto=True)[-1] == "auto"  # lossless only without include_quant
+    assert OffloadConfig.preset_names(include_quant=True, include_auto=True)[-2:] == ["auto", "auto_quant"]
+    assert OffloadConfig.preset("auto_quant").auto == "quant" and OffloadConfig.preset("auto").quant is None

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from fate_lab.policy.predictors import ActivationPath, CrossLayerGate, Oracle, PrevTokenSameLayer, RandomPredictor, SameTokenPrevLayer
+from fate_lab.policy.predictors import ActivationMatrix, ActivationPath, CrossLayerGate, Oracle, PrevTokenSameLayer, RandomPredictor, SameTokenPrevLayer, \
+    activation_matrices
 from fate_lab.policy.rules import CountBudget, CumulativeProb, Percentile, TopK, TopKPlus, cross_layer_scores, rule_from_name
 from fate_lab.policy.prediction_metrics import evaluate_predictor, evaluate_rule, prefill_prediction
 
@@ -160,3 +161,31 @@ def test_one_row_fast_path_equals_the_tensor_rules():
     rows[1, :8] = rows[1, 8]  # ties at the boundary go to the lower id
     for rule in (TopK(4), TopKPlus(4, 2), Percentile(75.0), Percentile(90.0), CountBudget(3), CumulativeProb(0.8)):
         assert [rule.ids_row(r) for r in rows.tolist()] == rule.ids(rows), rule
+
+
+def test_activation_matrix_matches_the_most_similar_collected_request_by_hand():
+    a = [[2, 0, 0, 0], [0, 3, 1, 0]]  # a request that used expert 0 in layer 0, then 1 (and 2) in layer 1
+    b = [[0, 0, 2, 0], [0, 0, 0, 4]]  # one that used 2, then 3
+    p = ActivationMatrix(2, 4, n=1, collection=torch.tensor([a, b]))
+    p.reset()
+    p.observe(0, torch.tensor([[2]]))  # this request so far looks like b (cosine 1 on layer 0, 0 on layer 1)
+    assert p.predict(0, None, torch.tensor([2])) == [3]
+    p.observe(0, torch.tensor([[0]]))  # now half a, half b (cosine 0.707 each): the first collected wins
+    assert p.predict(0, None, torch.tensor([0])) == [1]
+    p.n = 2
+    assert p.predict(0, None, torch.tensor([0])) == [1, 2]
+    with pytest.raises(ValueError, match=r"\[C, 2, 4\]"):
+        ActivationMatrix(2, 4, collection=torch.zeros(1, 3, 4))
+
+
+def test_activation_matrix_learns_online_from_finished_requests():
+    p = ActivationMatrix(2, 4, n=2)
+    p.observe(0, torch.tensor([[0, 1]]))
+    p.observe(1, torch.tensor([[3, 1]]))
+    assert p.predict(0, None, torch.tensor([0, 1])) == [1, 3]  # nothing collected: its own counts of layer 1
+    p.reset()  # the request joins the collection
+    p.observe(0, torch.tensor([[0, 1]]))
+    assert p.predict(0, None, torch.tensor([0, 1])) == [1, 3]
+    ex = torch.tensor([[[0], [1]], [[0], [2]], [[3], [3]]])  # [N=3, L=2, k=1]
+    assert activation_matrices(ex, torch.tensor([0, 0, 1]), 4).tolist() == [[[2, 0, 0, 0], [0, 1, 1, 0]],
+                                                                            [[0, 0, 0, 1], [0, 0, 0, 1]]]

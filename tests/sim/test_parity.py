@@ -20,7 +20,7 @@ from fate_lab.offloading.runtime import offload
 from fate_lab.sim.simulate import SimClock, SimLink, Simulator, check_trace, simulate, trace_steps
 
 KEYS = ("calls", "uses", "hits", "late", "misses", "host", "prefetch_issued", "prefetch_useful", "prefetch_wasted",
-        "predicted", "predicted_used", "bytes_moved")
+        "predicted", "predicted_used", "bytes_moved", "filled")
 PRESETS = OffloadConfig.preset_names()
 HW = Hardware(COMPUTE_PROFILES["qwen15_moe_rtx3090"], None)  # the compute profile does not matter here
 
@@ -45,7 +45,9 @@ def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int],
     trace = record_trace(model, None, prompts, decode_tokens=new_tokens - 1, progress=False)
     shape = ModelShape.from_adapter(adapt(model))
     configs = [(n, {}) for n in PRESETS if learned or OffloadConfig.preset(n).predictor != "learned_gate"]
-    configs += [("fate", {"replacement": "router_ema"})]  # a policy reading the router
+    configs += [("fate", {"replacement": "router_ema"}),  # a policy reading the router
+                ("fate", {"prefetch_value": True, "prefetch_depth": 2}),  # prefetch by value, two layers ahead
+                ("host_compute", {"prefetch_value": True, "host_fill": True})]  # the value cache with host fill
     for name, over in configs:
         for slots in budgets:
             cfg = OffloadConfig.preset(name, link="instant", slots=slots, **over)
@@ -152,7 +154,10 @@ def test_sim_link_queue_by_hand():
 
 
 CORE_CONFIGS = [("fate", {}), ("fate_quant", {}), ("host_compute", {}), ("static_host", {}), ("all_resident", {}),
-                ("drop_low", {}), ("lru", {"replacement": "lrfu"}), ("fate", {"allocation": "uniform"})]
+                ("drop_low", {}), ("lru", {"replacement": "lrfu"}), ("fate", {"allocation": "uniform"}),
+                ("fate", {"prefetch_value": True, "prefetch_depth": 2}), ("eap", {}),
+                ("fate_quant", {"prefetch_value": True, "prefetch_low": True}),
+                ("host_compute", {"prefetch_value": True, "host_fill": True})]
 
 
 # qwen2_moe: gated experts without biases; gpt_oss: biases beside every expert (full precision in packed slots,
@@ -186,7 +191,7 @@ def test_runtime_and_simulator_are_built_by_one_code_path(name, over, family, ti
 def test_check_trace_refuses_a_trace_of_another_shape():
     from fate_lab.model.trace import from_routing_array
 
-    tr = from_routing_array(torch.randint(0, 16, (5, 2, 2)), num_experts=16)
+    tr = from_routing_array(torch.tensor([[[0, 15], [2, 3]]] * 5), num_experts=16)  # distinct ids per row
     with pytest.raises(ValueError, match="expert ids up to 15.*8 experts"):
         check_trace(tr, OffloadConfig.preset("lru", slots=4), ModelShape(2, 2, 8, 2, 8, 8, torch.float32, 0, 0))
     with pytest.raises(ValueError, match="2 MoE layers x top-2, the shape 3 x top-2"):
