@@ -81,7 +81,7 @@ class OffloadConfig:
     standin_window: int = 4  # standin: a miss recurring within this many decode calls of its layer after a
     # low-precision use is loaded at full precision; otherwise it computes from the resident INT2 copy
     similarity: str | None = None  # substitute: the model folder keeping expert_similarity.safetensors
-    # (python -m fate_lab.policy.similarity --model DIR); None: the folder of the model being run
+    # (python -m fate_lab fit-similarity --model DIR); None: the folder of the model being run
     host_profile: str = "desktop_ddr4"  # host.HOST_PROFILES key: the CPU whose time a host call takes
     # (emulated on a CPU-only machine: the expert really computes, then the call holds for that time)
     auto: str | None = None  # a plan request ("auto" / "auto_quant" presets): "lossless" | "quant"; resolved into a
@@ -238,7 +238,7 @@ _PRESETS: dict[str, OffloadConfig] = {
     "fate": OffloadConfig("fate", prefetch_window=4.0),
     # Fate as the first version ran it: the whole percentile set queued and admitted into the cache
     "fate_v1": OffloadConfig("fate_v1", prefetch_budget="all", admit_prefetch="on_load"),
-    # Fate with the learned cross-layer probes (policy/learned.py) instead of the router product + percentile
+    # Fate with the learned cross-layer probes (policy/probes.py, fitted by fit/probes.py) instead of the router product + percentile
     "fate_learned": OffloadConfig("fate_learned", prefetch_window=4.0, predictor="learned_gate"),
     # Fate + misses computed on the host CPU when that beats their transfer (Fiddler's cost model)
     "host_compute": OffloadConfig("host_compute", prefetch_window=4.0, host="cost"),

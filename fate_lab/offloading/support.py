@@ -248,3 +248,35 @@ def support_markdown(rows: list[FamilySupport], command: str) -> str:
         lines.append(f"| {r.module} | {r.family or '-'} | {r.kind} | {r.verdict} | {flags} | {r.router or '-'} | "
                      f"{r.max_logit_diff:.1e} | {reason} |")
     return "\n".join(lines) + "\n"
+
+
+README_BEGIN = "<!-- families:begin (written by `python -m scripts.family_table`; edits inside are overwritten) -->"
+README_END = "<!-- families:end -->"
+
+
+def support_readme(rows: list[FamilySupport], command: str) -> str:
+    """The README's short form of the table: the counts, then the modules grouped by verdict and experts layout."""
+    c = support_counts(rows)
+    lines = [f"**{c['modules']} modules: {c['built']} built, {c['exact']} exact, {c['refused']} refused with a reason, "
+             f"{c['wrong']} wrong, {c['not built']} not built** (`{command}`; every row: `docs/families.md`).", "",
+             "| verdict | experts layout | modules |", "|---|---|---|"]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        flags = ", ".join(k for k, v in r.layout.items() if v is True) or "-"
+        groups.setdefault((r.verdict, flags if r.verdict != "not built" else "-"), []).append(r.module)
+    order = {"exact": 0, "refused": 1, "wrong": 2, "not built": 3}
+    for (verdict, flags), mods in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), -len(kv[1]))):
+        lines.append(f"| {verdict} | {flags} | {', '.join(sorted(mods))} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_readme_table(section: str, readme) -> None:
+    """Replace what lies between the README's family markers with `section` (the markers must be there)."""
+    from pathlib import Path
+
+    readme = Path(readme)
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise ValueError(f"{readme} has no family markers ({README_BEGIN!r} ... {README_END!r})")
+    head, rest = text.split(README_BEGIN, 1)
+    readme.write_text(f"{head}{README_BEGIN}\n{section}{README_END}{rest.split(README_END, 1)[1]}")
