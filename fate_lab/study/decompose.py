@@ -23,8 +23,12 @@ precision). With S the decode speed and stall(x) a run's stall per decode token:
 
 `decompose_runtime` measures the same ladder (without the counterfactuals: the runtime cannot read ahead) on
 this machine's runtime and puts the simulator's prediction for the same points beside it.
-`plot_decomposition(df, ...)` draws the stacked log2 bars. What it is not: a claim about other models -- the
-factors are the embedded models' routing on the compute profile given.
+`plot_decomposition(df, ...)` draws the stacked log2 bars; `by_regime(df)` is the short table (prediction's parts
+in one factor, both precisions in one row). `versus_eap(trace, shape, ...)` simulates, in the same regimes, fate
+against the EAP baselines docs/fate_vs_eap.md compares (token-level `activation_path`, MoE-Infinity's request
+matrix `eap`, online and profiled, and `eap` with fate's INT4/INT2), and `eap_margins` sums up its ratios.
+What it is not: a claim about other models -- the factors are the embedded models' routing on the compute
+profile given.
 """
 from __future__ import annotations
 
@@ -173,6 +177,82 @@ def wide(df: pd.DataFrame) -> pd.DataFrame:
     w = w[[c for c in COMPONENTS if c in w.columns]]
     w["total speed-up"] = df.groupby(keys)["total speed-up"].first()
     return w.reset_index()
+
+
+def by_regime(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (model, cached, ratio): the ladder's factors with prediction's four parts multiplied into one
+    "prediction" factor, host compute (from the fp rows) and quantization (from the int4/int2 rows), and the total
+    speed-up at each precision present ("total (fp)", "total (int4/int2)"); the factors before the last step are
+    the same at both precisions, so cache x allocation x replacement x prediction x host compute = total (fp)."""
+    keys = ["model", "cached", "ratio"]
+    w = wide(df)
+    w["prediction"] = w[[c for c in PREDICTION_PARTS if c in w.columns]].prod(axis=1)
+    out = w.drop_duplicates(keys).set_index(keys)[["cache", "allocation", "replacement", "prediction"]]
+    for precision, part in w.groupby("precision", sort=False):
+        part = part.set_index(keys)
+        last = "host compute" if precision == "fp" else "quantization"
+        out[last], out[f"total ({precision})"] = part[last], part["total speed-up"]
+    return out.reset_index()
+
+
+def eap_configs(shape: ModelShape, calibration: Trace | None = None) -> dict[str, OffloadConfig]:
+    """fate, fate_quant and the EAP baselines of docs/fate_vs_eap.md (cache size set per regime): `activation_path`
+    (token-level, online), `eap` (request matrix, online), "eap (profiled)" (its collection the calibration
+    trace's requests, when one is given) and `eap_quant` (`eap` with fate's INT4/INT2)."""
+    from fate_lab.policy.predictors import activation_matrices
+
+    eap = OffloadConfig.preset("eap")
+    out = {"fate": OffloadConfig.preset("fate"), "fate_quant": OffloadConfig.preset("fate_quant"),
+           "activation_path": OffloadConfig.preset("activation_path"), "eap": eap}
+    if calibration is not None:
+        seed = activation_matrices(calibration.experts, calibration.prompt_id, shape.num_experts).tolist()
+        out["eap (profiled)"] = dataclasses.replace(eap, name="eap (profiled)", activation_collection=tuple(
+            tuple(tuple(float(x) for x in row) for row in m) for m in seed))
+    out["eap_quant"] = dataclasses.replace(eap, name="eap_quant", quant="fate")
+    return out
+
+
+def versus_eap(trace: Trace, shape: ModelShape, model: str = "", compute: ComputeProfile | None = None,
+               ratios=RATIOS, shares=SHARES, calibration: Trace | None = None) -> pd.DataFrame:
+    """One row per regime (ratio, cached): simulated decode tok/s of every `eap_configs` config on the regime's
+    `ratio_hardware` (quantized configs on the quantized link), and "fate / best EAP" (fate over the fastest
+    full-precision EAP baseline: the same precision), "fate_quant / eap" (fate's INT4/INT2 against a
+    full-precision EAP, the reading under which the paper's 2.2x is reproduced) and "fate_quant / eap_quant" (the
+    same quantization on both)."""
+    from fate_lab.sim.simulate import simulate
+
+    compute = compute or COMPUTE_PROFILES["qwen15_moe_rtx3090"]
+    cfgs = eap_configs(shape, calibration)
+    rows = []
+    for r in ratios:
+        hw, hwq = ratio_hardware(shape, compute, r), ratio_hardware(shape, compute, r, "fate")
+        for share in shares:
+            slots = int(shape.num_moe_layers * shape.num_experts * share)
+            v = {n: simulate(trace, dataclasses.replace(c, slots=slots), hwq if c.quant else hw, shape).decode_tok_s
+                 for n, c in cfgs.items()}
+            best = max(x for n, x in v.items() if n not in ("fate", "fate_quant", "eap_quant"))
+            rows.append({"model": model, "ratio": r, "cached": share, **{f"{n} tok/s": x for n, x in v.items()},
+                         "fate / best EAP": v["fate"] / best, "fate_quant / eap": v["fate_quant"] / v["eap"],
+                         "fate_quant / eap_quant": v["fate_quant"] / v["eap_quant"]})
+    return pd.DataFrame(rows)
+
+
+def eap_margins(vs: pd.DataFrame) -> pd.DataFrame:
+    """`versus_eap`'s ratios summed up, one row per comparison: the smallest and largest over the regimes, where the
+    largest is, and how many regimes; "fate_quant / eap" also over the slow-link, small-cache regimes alone (r >= 1,
+    <= 25% cached: where docs/fate_vs_eap.md finds the paper's margin; NaN when the grid has none)."""
+    slow = vs[(vs["ratio"] >= 1) & (vs["cached"] <= 0.25)]
+    rows = []
+    for label, col, part in (("fate / best EAP (same precision)", "fate / best EAP", vs),
+                             ("fate_quant / eap (INT4/INT2 against full precision)", "fate_quant / eap", vs),
+                             ("fate_quant / eap, r >= 1 and <= 25% cached", "fate_quant / eap", slow),
+                             ("fate_quant / eap_quant (the same INT4/INT2 on both)", "fate_quant / eap_quant", vs)):
+        at = part.loc[part[col].idxmax()] if len(part) else None
+        rows.append({"comparison": label, "smallest": part[col].min() if len(part) else float("nan"),
+                     "largest": part[col].max() if len(part) else float("nan"),
+                     "largest at": "—" if at is None else f"r={at['ratio']:g}, {at['cached']:.0%} cached",
+                     "regimes": len(part)})
+    return pd.DataFrame(rows).set_index("comparison")
 
 
 def plot_decomposition(df: pd.DataFrame, model: str | None = None, precision: str = "fp"):

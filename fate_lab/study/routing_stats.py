@@ -9,7 +9,9 @@ What it is: three table functions over a recorded trace, the evidence behind doc
   expert is used again in the same prompt (the share reused by the next token, within 4 and 16 tokens, never
   again) -- what a cache (LRU) rewards;
 - `predictor_recall(trace, shape)`: decode recall / precision / set size of the cross-layer gate (top-k), the
-  token-level activation path and the request-level activation matrix at the same set size k.
+  token-level activation path and the request-level activation matrix at the same set size k;
+- `summary(trace, shape, calibration)`: the three in one short table (means over layer pairs and layers), as
+  notebook 05 shows it beside the decomposition.
 What it is not: a simulator; speeds are `fate_lab.sim.simulate`'s.
 """
 from __future__ import annotations
@@ -103,3 +105,27 @@ def predictor_recall(trace: Trace, shape: ModelShape, calibration: Trace | None 
     return pd.DataFrame([{"predictor": n, "decode recall": r["decode"]["recall"],
                           "decode precision": r["decode"]["precision"], "set size": r["decode"]["mean_set_size"]}
                          for n, r in out.items()])
+
+
+def summary(trace: Trace, shape: ModelShape, calibration: Trace | None = None, recall: bool = True) -> pd.DataFrame:
+    """The routing statistics of one trace in one table, a row per statistic: entropies and mutual information
+    in bits (`transition_entropy`, mean over layer pairs, all tokens), reuse shares (`reuse_distance`, decode
+    uses, mean over layers) and each predictor's decode recall (`predictor_recall`; left out with recall=False,
+    e.g. for a routing-only trace without gate inputs). Columns: "bits" and "share" (a fraction; recall rows:
+    the recall); a row has one of them."""
+    te = transition_entropy(trace.experts, shape.num_experts)
+    rd = reuse_distance(trace.experts, shape.num_experts, trace.prompt_id, trace.phase)
+    nan = float("nan")
+    rows = [("H(next layer's expert), mean over layer pairs", te["H(next) bits"].mean(), nan),
+            ("H(uniform choice of an expert)", math.log2(shape.num_experts), nan),
+            ("H(next | one current expert)", te["H(next | current) bits"].mean(), nan),
+            ("mutual information, current -> next layer", te["mutual information bits"].mean(),
+             te["share of H(next) explained"].mean()),
+            ("decode uses reused by the next token", nan, rd["reused next token"].mean()),
+            ("decode uses reused within 4 tokens", nan, rd["reused within 4"].mean()),
+            ("decode uses reused within 16 tokens", nan, rd["reused within 16"].mean()),
+            ("decode uses never used again in the prompt", nan, rd["never again"].mean())]
+    if recall:
+        pr = predictor_recall(trace, shape, calibration)
+        rows += [(f"decode recall at set size k: {p}", nan, r) for p, r in zip(pr["predictor"], pr["decode recall"])]
+    return pd.DataFrame(rows, columns=["statistic", "bits", "share"]).set_index("statistic")
