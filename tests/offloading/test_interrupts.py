@@ -1,6 +1,7 @@
 """Ctrl-C and close() against a running forward (issue 19): an interrupted forward leaves nothing jammed, close()
 and a generating thread never overlap, and close(restore=False) leaves a model that says what happened."""
 import _thread
+import signal
 import threading
 import time
 
@@ -91,10 +92,16 @@ def test_ctrl_c_while_waiting_for_a_transfer_leaves_the_runtime_usable(tiny_mode
 
         rt.set_fault(slow)
         timer = threading.Thread(target=lambda: started.wait(10) and (time.sleep(0.1), _thread.interrupt_main()))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            _gen(model, ids)
-        timer.join()
+        # Python's own Ctrl-C handler: an earlier test in the session (a kernel manager, the browser) may have
+        # replaced it, and interrupt_main() does nothing under SIG_IGN
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                _gen(model, ids)
+            timer.join()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         rt.set_fault(None)
         _after_interrupt(model, rt, ids, ref)
 

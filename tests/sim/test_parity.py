@@ -173,12 +173,13 @@ def test_runtime_and_simulator_are_built_by_one_code_path(name, over, family, ti
     layer, pools, slot bytes, precision policy, predictor and rule, miss rule, placement, host time, link), and the
     runtime's slots hold exactly the bytes the plan counted."""
     model = tiny_models(family, seed=3, **BUILD_FAMILIES[family])
-    shape = ModelShape.from_adapter(adapt(model))
+    ad = adapt(model)  # adapt() refuses a model while it is offloaded
+    shape, expert_bytes = ModelShape.from_adapter(ad), ad.bytes_per_expert()
     cfg = OffloadConfig.preset(name, slots=6, link="qwen15_moe_rtx3090_pcie3", layer_compute_s=1e-3, **over)
     with offload(model, cfg) as rt:
         built_rt = rt.core.describe()
         per_slot = rt.slots.slot_bytes if rt.packed_slots is not None else rt.slots.fp_nbytes()
-        assert per_slot == rt.core.slot_bytes and rt.expert_bytes == adapt(model).bytes_per_expert()
+        assert per_slot == rt.core.slot_bytes and rt.expert_bytes == expert_bytes
     sim = Simulator(cfg, Hardware.scaled("qwen15_moe_rtx3090_pcie3", layer_s=1e-3,
                                          compute=COMPUTE_PROFILES["qwen15_moe_rtx3090"]), shape)
     built_sim = sim.core.describe()
