@@ -211,7 +211,7 @@ def run_main(out: Path, models: list[str] | None = None, fast: bool = False, tab
             continue
         done[name] = {}
         before = os.environ.get(RUN_DIR_ENV)
-        os.environ[RUN_DIR_ENV] = str(run_dir)
+        os.environ[RUN_DIR_ENV] = str(run_dir.resolve())  # the kernels run in notebooks/, not here
         try:
             for nb in tqdm(nbs, desc=f"notebooks ({name})", unit="nb"):
                 done[name][nb.stem] = run_notebook(nb, out / name / "notebooks", params)

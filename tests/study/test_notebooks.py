@@ -1,5 +1,7 @@
 """Every numbered notebook runs unattended in FAST mode on the embedded model, and is committed clean."""
 import json
+import os
+from pathlib import Path
 
 import nbformat
 import pandas as pd
@@ -296,3 +298,26 @@ def test_presets_whose_files_a_model_lacks_are_left_out_by_name(tmp_path, capsys
     said = capsys.readouterr().out
     assert "fate_learned (no probes.safetensors" in said and "substitute (no expert_similarity.safetensors" in said
     assert lab.presets_for("tiny_deepseek", ["fate_learned", "substitute"]) == ["fate_learned", "substitute"]
+
+
+def test_the_main_job_gives_the_kernels_an_absolute_run_folder(tmp_path, monkeypatch):
+    # the kernels run in notebooks/, so a relative --out must not reach them as a relative path (it did: the clock
+    # of one run went to notebooks/results/.run, where the next run's "calibrate anew" never deleted it)
+    import fate_lab.study.notebooks as nbmod
+    from fate_lab.mainjob import run_main
+    from fate_lab.study.clock import RUN_DIR_ENV
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(path, out_dir, parameters, timeout=None):
+        seen.append(os.environ[RUN_DIR_ENV])
+        raise Stop
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(nbmod, "run_notebook", fake)
+    with pytest.raises(Stop):
+        run_main(Path("results"), models=["tiny_moe"], readme=None)
+    assert seen == [str((tmp_path / "results" / ".run").resolve())]
