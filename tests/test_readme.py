@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 CODE = re.findall(r"`([^`\n]+)`", README) + re.findall(r"```(?:python|bash)\n(.*?)```", README, flags=re.S)
 
-_PATH = re.compile(r"(?<![\w./-])((?:fate_lab|tests|benchmarks|docs|notebooks|data|scripts)/[\w./-]*[\w/])")
+_PATH = re.compile(r"(?<![\w./-])((?:fate_lab|tests|benchmarks|docs|notebooks|data|scripts)/[\w./-]*[\w/])(?![\w./$-])")
 _DOTTED = re.compile(r"(?<![\w.])(fate_lab(?:\.\w+)+)")
 _MODULE = re.compile(r"python -m ((?:benchmarks|scripts|fate_lab)(?:\.\w+)*)")
 
