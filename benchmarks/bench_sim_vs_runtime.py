@@ -29,10 +29,12 @@ from fate_lab.fit.calibrate import calibrate_compute
 from fate_lab.hardware.setups import run_hardware
 from fate_lab.core.shape import ModelShape
 from fate_lab.sim.simulate import simulate
+from fate_lab.study.whatif import calibration_ids
 
 from .bench_prefetch_variants import ladder
 
-PRESETS = ["load_on_demand", "lru", "mixtral_offloading", "activation_path", "fate_v1", "fate"]
+PRESETS = ["all_resident", "load_on_demand", "lru", "mixtral_offloading", "activation_path", "eap", "fate_v1", "fate",
+           "host_compute", "static_host", "all_host"]
 ABLATION = ["arc", "arc+shallow", "+top-k prefetch (v1 mechanics)", "whole set, admit on use",
             "fate with uniform ARC"]  # rows of bench_prefetch_variants.ladder, measured in the runtime too
 QUANT = ["lru_quant", "fate_quant"]
@@ -48,15 +50,18 @@ def greedy(model, prompt: list[int], new_tokens: int) -> None:
 
 
 def run_runtime(model, prompts, cfg, new_tokens) -> dict:
-    """Measured decode tok/s, stall per decode token and hit rate of one config."""
+    """Measured decode tok/s, TTFT (the first prompt's prefill), stall per decode token and hit rate of one
+    config, from a runtime that starts with an empty cache as the simulator does (the warm-up runs in one of
+    its own)."""
+    with offload(model, cfg):
+        greedy(model, prompts[0][:8], 4)  # warm-up: the first forwards allocate
     with offload(model, cfg) as rt:
-        greedy(model, prompts[0], 4)  # warm-up (its counters are dropped)
-        rt.reset_stats()
         for p in prompts:
             greedy(model, p, new_tokens)
         s = rt.stats.summary()
         dec = rt.stats.forward_s["decode"]
-    return {"tok_s": len(dec) / sum(dec), "stall_ms": 1e3 * s["decode"]["stall_s"] / len(dec),
+        ttft = rt.stats.forward_s["prefill"][0]
+    return {"tok_s": len(dec) / sum(dec), "ttft_ms": 1e3 * ttft, "stall_ms": 1e3 * s["decode"]["stall_s"] / len(dec),
             "hit": s["decode"]["hit_rate"], "link": rt.stats.link}
 
 
@@ -67,17 +72,24 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = ap.parse_args(argv)
+    from fate_lab.study.clock import pinned
+
+    torch.manual_seed(0)
+    with pinned():  # torch's threads pinned for the calibration and every run alike
+        return _run(args, argv)
+
+
+def _run(args, argv) -> str:
     from fate_lab.model.corpus import heldout_prompts
     from fate_lab.model.models import load_model
 
-    torch.manual_seed(0)
     model, tok = load_model(args.model)
     a = adapt(model)
     prompts = [tok(t)["input_ids"][:24] for t in heldout_prompts(args.prompts)]
     t0 = time.time()
     layer_s = calibrate_layer_time(model, steps=24)
-    compute = calibrate_compute(model, torch.tensor([prompts[0]]), new_tokens=24, link=LINKS[0],
-                                layer_compute_s=layer_s)
+    compute = calibrate_compute(model, calibration_ids(tok, len(prompts[0])), new_tokens=24, link=LINKS[0],
+                                layer_compute_s=layer_s)  # a prompt as long as the measured ones: linear slopes
     trace = record_trace(model, tok, prompts, decode_tokens=args.new_tokens - 1, progress=False)
     shape = ModelShape.from_adapter(a)
     total = a.num_moe_layers * a.num_experts
@@ -88,9 +100,12 @@ def main(argv: list[str] | None = None) -> str:
              f"expert {compute.expert_s * 1e3:.3f} ms, call {compute.call_s * 1e3:.3f} ms, "
              f"predict {compute.predict_s * 1e3:.3f} ms, cold expert +{compute.expert_cold_s * 1e3:.3f} ms, "
              f"per landed transfer +{compute.landed_s * 1e3:.3f} ms, link overshoot +{compute.link_extra_s * 1e3:.3f} ms, "
-             f"wake-up {compute.wake_s * 1e3:.3f} ms (CPU emulation costs, see simulate.ComputeProfile).", "",
-             "| link | cached | preset | runtime tok/s | simulated tok/s | sim/runtime | runtime stall ms/tok | "
-             "sim stall ms/tok | runtime hit | sim hit |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"wake-up {compute.wake_s * 1e3:.3f} ms, busy link x{compute.busy_factor:.2f}, per queued transfer "
+             f"+{compute.transfer_host_s * 1e3:.3f} ms (CPU emulation costs, see hardware.compute.ComputeProfile). "
+             "Every runtime row starts with an empty cache, as the simulator does; TTFT is the first prompt's prefill.",
+             "", "| link | cached | preset | runtime tok/s | simulated tok/s | sim/runtime | runtime TTFT ms | "
+             "sim TTFT ms | sim/runtime TTFT | runtime stall ms/tok | sim stall ms/tok | runtime hit | sim hit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios: dict = {}
     for link_name in LINKS:
         for share in (0.5, 0.25):
@@ -103,15 +118,23 @@ def main(argv: list[str] | None = None) -> str:
                 ratios[link_name, share, name] = r["tok_s"]
                 if name in QUANT:
                     lines.append(f"| {link_name} | {share:.0%} | {name} | {r['tok_s']:.1f} | — | — | "
-                                 f"{r['stall_ms']:.2f} | — | {r['hit']:.3f} | — |")
+                                 f"{r['ttft_ms']:.0f} | — | — | {r['stall_ms']:.2f} | — | {r['hit']:.3f} | — |")
                     continue
                 sim = simulate(trace, cfg, run_hardware(link_name, layer_s, compute), shape)
                 sd = sim.summary()["decode"]
                 n_dec = len(sim.forward_s["decode"])
+                sim_ttft = 1e3 * sim.forward_s["prefill"][0]
+                ratios["sim", link_name, share, name] = (sim.decode_tok_s / r["tok_s"], sim_ttft / r["ttft_ms"])
                 lines.append(f"| {link_name} | {share:.0%} | {name} | {r['tok_s']:.1f} | {sim.decode_tok_s:.1f} | "
-                             f"{sim.decode_tok_s / r['tok_s']:.2f} | {r['stall_ms']:.2f} | "
+                             f"{sim.decode_tok_s / r['tok_s']:.2f} | {r['ttft_ms']:.0f} | {sim_ttft:.0f} | "
+                             f"{sim_ttft / r['ttft_ms']:.2f} | {r['stall_ms']:.2f} | "
                              f"{1e3 * sd['stall_s'] / n_dec:.2f} | {r['hit']:.3f} | {sd['hit_rate']:.3f} |")
                 print(lines[-1], flush=True)
+    sim_rows = [v for k, v in ratios.items() if k[0] == "sim"]
+    dec_r, ttft_r = [d for d, _ in sim_rows], [t for _, t in sim_rows]
+    within = sum(abs(d - 1) <= 0.10 for d in dec_r), sum(abs(t - 1) <= 0.10 for t in ttft_r)
+    lines += ["", f"Simulator / runtime over the {len(sim_rows)} simulated rows: decode {min(dec_r):.2f}–{max(dec_r):.2f}x "
+              f"({within[0]} within 10%), TTFT {min(ttft_r):.2f}–{max(ttft_r):.2f}x ({within[1]} within 10%)."]
     lines += ["", "Targets (issue 8), runtime, ratios of decode tok/s in this run:", ""]
     for link_name in LINKS:
         for share in (0.5, 0.25):

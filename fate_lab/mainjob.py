@@ -167,14 +167,18 @@ def write_readme(section: str, readme: Path = README) -> Path:
 
 
 def verdict_changes(a: dict, b: dict) -> list[str]:
-    """The rows whose verdict words differ between two verdict files (`collect`), e.g. a FAST and a full run."""
+    """The rows whose verdict words differ between two verdict files (`collect`), e.g. a FAST and a full run;
+    a row the first run left undecided (not comparable: too close to tell, too few tokens) says so."""
+    from fate_lab.study.verdict import NOT_COMPARABLE
+
     out = []
     for stem in sorted(set(a["notebooks"]) & set(b["notebooks"])):
         for model in sorted(set(a["notebooks"][stem]) & set(b["notebooks"][stem])):
             ca, cb = _claims(a["notebooks"][stem][model]) or [], _claims(b["notebooks"][stem][model]) or []
             va, vb = {c.quantity: c.verdict for c in ca}, {c.quantity: c.verdict for c in cb}
             for q in [q for q in va if q in vb and va[q] != vb[q]]:
-                out.append(f"{stem} / {model}: {q}: {va[q]} -> {vb[q]}")
+                undecided = " (the first run could not tell)" if va[q] == NOT_COMPARABLE else ""
+                out.append(f"{stem} / {model}: {q}: {va[q]} -> {vb[q]}{undecided}")
     return out
 
 

@@ -23,8 +23,12 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     """A `ComputeProfile` measured from the runtime itself: every expert resident, instant link, timeline on.
 
     Decode figures are medians over the decode steps; prefill's per-token slopes come from the prompt.
-    With `link` (an emulated link name), a second run loads every expert on demand over it and
-    measures what the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`).
+    With `link` (an emulated link name), a second run loads experts on demand over it and measures what
+    the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`, `busy_factor`,
+    `transfer_host_s`); the resident figures stay those of the first run, so a run that moves nothing (all
+    experts resident) is predicted at the resident speed. Give a prompt as long as the prefills to be
+    predicted: the per-token slopes are linear fits, and a 10-token prompt (about one token per expert)
+    overstates a long prefill's expert time.
     """
     from fate_lab.offloading.runtime import offload
 
@@ -59,7 +63,8 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     fwd = med(st.forward_s["decode"])
     dense_s = max(0.0, (fwd - call_total) / L)
     dense_tok = max(0.0, (pre_end - p.compute_s - L * dense_s) / max(1, L * (T - 1)))
-    cold = landed = extra = wake = 0.0
+    cold = landed = extra = wake = queued = 0.0
+    busy = 1.0
     if link is not None:  # the same machine while an emulated link copies on the other core
         cfg = OffloadConfig.preset("fate", link=link, layer_compute_s=layer_compute_s, quant=quant,
                                    slots=M * rt.num_experts // 4)
@@ -92,14 +97,21 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
                 wakes.append(a1 - landed_at[m, e])
         wake = med(wakes)
         d2, n2 = st2.total("decode"), len(st2.forward_s["decode"])
-        expert_s = med(warm_c) or expert_s
-        cold = max(0.0, med(cold_c) - expert_s)
-        predict_s = med(pred2[M - 1:]) or predict_s
+        moved = d2.bytes_moved / rt.expert_bytes / n2  # transfers per decode token
+        busy_expert = med(warm_c)  # a warm expert's compute while the link copies
+        busy = max(1.0, busy_expert / expert_s) if busy_expert and expert_s else 1.0
+        cold = max(0.0, med(cold_c) - busy_expert) if busy_expert else 0.0
         in_calls2 = (sum(warm_c) + sum(cold_c) + sum(pred2[M - 1:]) + d2.stall_s) / n2
-        call_s = max(0.0, (d2.compute_s / n2 - in_calls2) / M)
+        # what the calls spent beyond their pieces, less the resident run's bookkeeping slowed by the busy link:
+        # the compute thread's own time per transfer it queued
+        per = moved if moved > 0 else float("inf")  # no transfer: nothing to charge them with
+        queued = max(0.0, d2.compute_s / n2 - in_calls2 - M * call_s * busy) / per
         dense_part = (sum(st2.forward_s["decode"]) - d2.compute_s) / n2  # per token, outside experts calls
-        landed = max(0.0, (dense_part - L * dense_s) / max(1.0, d2.bytes_moved / rt.expert_bytes / n2))
-    return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok, cold,
-                          landed, max(0.0, extra), wake, f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime "
-                          f"(all resident, instant link, {new_tokens} tokens, quant={quant}"
-                          + (f"; cold experts over {link}" if link else "") + ")")
+        landed = max(0.0, (dense_part - L * dense_s) / per)
+    return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok,
+                          expert_cold_s=cold, landed_s=landed, link_extra_s=max(0.0, extra), wake_s=wake,
+                          busy_factor=busy, transfer_host_s=queued,
+                          source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime (all resident, "
+                          f"instant link, {new_tokens} tokens, quant={quant}"
+                          + (f"; cold experts, the busy link's slow-down and per-transfer time over {link}" if link
+                             else "") + ")")

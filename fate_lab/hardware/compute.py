@@ -26,12 +26,17 @@ class ComputeProfile:
     predict_per_token_s: float = 0.0  # extra per additional token
     expert_cold_s: float = 0.0  # extra for an expert whose bytes just landed (CPU emulation: they sit in
     # the other core's cache; 0 on a GPU, where a kernel reads device memory either way)
-    landed_s: float = 0.0  # extra dense time per landed transfer (CPU emulation: the link's copies
-    # evict the dense weights from the shared caches; 0 on a GPU)
+    landed_s: float = 0.0  # extra dense time per landed transfer or host-computed expert (CPU emulation: the
+    # link's copies, or the host compute reading the expert, evict the dense weights from the shared caches;
+    # 0 on a GPU)
     link_extra_s: float = 0.0  # an emulated transfer's overshoot beyond latency + bytes/bandwidth (sleep
     # granularity of the worker thread); 0 for a real link
     wake_s: float = 0.0  # from a transfer landing to the waiting compute thread running again
     source: str = ""
+    busy_factor: float = 1.0  # the expert, prediction and call pieces take this many times as long while the
+    # link is copying (CPU emulation: the copy thread shares the memory bus and the interpreter lock); 1 on a GPU
+    transfer_host_s: float = 0.0  # the compute thread's own time per transfer it queues (slot bookkeeping,
+    # handing the copy to the link, reaping it); ~0 on a GPU next to a layer's compute
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -41,6 +46,9 @@ class ComputeProfile:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"ComputeProfile {self.name!r}: {f.name}={v!r} s; give a finite number of "
                                  "seconds >= 0")
+        if self.busy_factor < 1:
+            raise ValueError(f"ComputeProfile {self.name!r}: busy_factor={self.busy_factor!r}; a busy link can only slow "
+                             "the compute thread down: give a number >= 1 (1: no slow-down)")
         if self.dense_s + self.expert_s <= 0:
             raise ValueError(f"ComputeProfile {self.name!r}: dense_s and expert_s are both 0, so a forward takes no "
                              "time and tokens/s is undefined; give at least one of them > 0")

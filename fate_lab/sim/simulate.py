@@ -95,8 +95,14 @@ class SimLink:
             self.clock.now += self.compute.landed_s
             self.ctx.landed(x.m, x.nbytes, x.spec)
 
+    def busy(self) -> bool:
+        """Is the link copying (or has queued work) at the compute thread's now?"""
+        self._advance()
+        return self.link is not None and (self.free_at > self.clock.now or bool(self.queue))
+
     def submit(self, m: int, e: int, slot: int, urgent: bool, reason: str) -> _SimTransfer:
-        """Queue a transfer at the compute thread's now."""
+        """Queue a transfer at the compute thread's now (after the compute thread's own time to queue it)."""
+        self.clock.now += self.compute.transfer_host_s
         self._advance()
         spec = self.ctx.spec(m, reason)
         x = _SimTransfer(m, e, self.shape.nbytes(spec), urgent, reason, spec, self.clock.now)
@@ -172,6 +178,11 @@ class Simulator:
         self.cache = self.core.build_cache(self.link)
         self.core.preload()  # all_resident: marked resident before the first token, nothing moves
 
+    def _slow(self) -> float:
+        """The compute profile's slow-down of a compute piece that starts now (`ComputeProfile.busy_factor`)."""
+        f = self.hw.compute.busy_factor
+        return f if f != 1.0 and self.link.busy() else 1.0
+
     @property
     def stats(self) -> RunStats:
         """The run's counters and simulated forward times."""
@@ -194,29 +205,30 @@ class Simulator:
         for m in range(M):
             clock.now += comp.dense(T)
             t_call = clock.now
-            clock.now += comp.call_s
+            clock.now += comp.call_s * self._slow()
             idx = experts[:, m]  # (T, K)
             counts = Counter(idx.reshape(-1).tolist())
 
             def compute(e: int, slot: int, n=counts, m=m) -> None:
                 c0 = clock.now
                 if slot == LOWP:  # from the resident INT2 copy (the dequantize is not modelled: OUR simplification)
-                    clock.now += comp.expert(n[e])
+                    clock.now += comp.expert(n[e]) * self._slow()
                     core.event("compute_lowp", m, e, c0, clock.now)
                     return
                 if slot == HOST:  # on the host CPU: its profile's time (+ the emulated hold's sleep overshoot)
                     clock.now += core.host_time(n[e]) + comp.link_extra_s
                     core.stats.layers[m][core.phase].host_s += clock.now - c0
                     core.event("host", m, e, c0, clock.now)
+                    clock.now += comp.landed_s  # its weights streamed through the caches the dense layers use
                     return
-                clock.now += comp.expert(n[e]) + (comp.expert_cold_s if (m, e) in self.link.fresh else 0.0)
+                clock.now += comp.expert(n[e]) * self._slow() + (comp.expert_cold_s if (m, e) in self.link.fresh else 0.0)
                 self.link.fresh.discard((m, e))
                 core.event("compute", m, e, c0, clock.now)
 
             def timed(fn, m=m):
                 p0 = clock.now
                 out = fn()
-                clock.now += comp.predict(T)
+                clock.now += comp.predict(T) * self._slow()
                 core.event("predict", m, -1, p0, clock.now)
                 return out
 

@@ -56,8 +56,9 @@ def time_generate(model, input_ids: torch.Tensor, new_tokens: int, repeats: int 
 
 
 def run_preset(model, input_ids: torch.Tensor, config: OffloadConfig, new_tokens: int, repeats: int = 1) -> dict:
-    """Offload with `config`, time greedy generate `repeats` times (torch threads pinned), and return the
-    `RunStats.row` of the repeat with the median decode rate (with ``decode tok/s spread``, the relative
+    """Offload with `config`, time greedy generate `repeats` times (torch threads pinned; every repeat on a
+    fresh runtime, so each starts with an empty cache), and return the `RunStats.row` of the repeat with the
+    median decode rate (with ``decode tok/s spread``, the relative
     half-range over the repeats; NaN for one), the tokens, the timeline and the per-layer rows."""
     from fate_lab.offloading.runtime import offload
     from fate_lab.study.clock import pinned, spread
@@ -65,19 +66,22 @@ def run_preset(model, input_ids: torch.Tensor, config: OffloadConfig, new_tokens
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate', slots=64)), got "
                         f"{type(config).__name__}")
+    from fate_lab.core.autoplan import resolved
+
+    name, config = config.name, resolved(config, model=model)  # an auto preset is planned once, not per repeat
     with pinned():
-        rt = offload(model, config)
-        try:
-            time_generate(model, input_ids[:, :8], 2)  # warm-up: the first forwards of a fresh runtime allocate
-            runs = []
-            for _ in range(repeats):
-                rt.reset_stats()
+        with offload(model, config):  # warm-up in a runtime of its own: the first forwards allocate, and a
+            time_generate(model, input_ids[:, :8], 2)  # warm-up in the measured one would warm its cache
+        runs = []
+        for _ in range(repeats):  # every repeat starts cold, as the simulator's run of the trace does
+            rt = offload(model, config)
+            try:
                 timing = time_generate(model, input_ids, new_tokens)
-                runs.append({"row": {**rt.stats.row(config.name), "link": rt.stats.link,
+                runs.append({"row": {**rt.stats.row(name), "link": rt.stats.link,
                                      "slots per layer": list(rt.slots_per_layer)},
                              "tokens": timing.tokens, "timeline": list(rt.stats.timeline), "layers": rt.stats.rows()})
-        finally:
-            rt.close()
+            finally:
+                rt.close()
     runs.sort(key=lambda r: r["row"]["decode tok/s"])
     best = runs[len(runs) // 2]
     best["row"]["decode tok/s spread"] = spread([r["row"]["decode tok/s"] for r in runs]) if repeats > 1 \

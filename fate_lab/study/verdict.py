@@ -120,9 +120,12 @@ def _finite(x) -> bool:
 
 
 def close(quantity: str, paper: float, ours: float, tolerance: float, unit: str = "%", reference: str | None = None,
-          note: str = "", structure: str = "", source: str = "paper", detail: str = "") -> Claim:
+          note: str = "", structure: str = "", source: str = "paper", detail: str = "",
+          uncertainty: float = 0.0) -> Claim:
     """Agrees when |ours - paper| <= tolerance (in the values' own scale: 0.05 is 5 points for a '%' unit; for
-    'pts' both values are in points). `detail` follows our number in parentheses (which preset, which layer)."""
+    'pts' both values are in points). `detail` follows our number in parentheses (which preset, which layer).
+    `uncertainty`: the half-width of our number's own sampling error (e.g. `rate_uncertainty`); where the
+    tolerance's edge lies inside ours +- uncertainty the run cannot tell: not comparable, saying so."""
     _check_unit(unit)
     ref_text = reference or fmt(paper, unit)
     ours_text = fmt(ours, unit) + (f" ({detail})" if detail else "")
@@ -132,7 +135,12 @@ def close(quantity: str, paper: float, ours: float, tolerance: float, unit: str 
     tol_text = (f"±{100 * tolerance:g} points" if unit == "%" else f"±{tolerance:g} points" if unit == "pts"
                 else f"±{tolerance / abs(paper):.0%}" if unit == "x" and paper else f"±{fmt(tolerance, unit)}")
     named = ref_text if source == "paper" else fmt(paper, unit)
-    if abs(ours - paper) <= tolerance:
+    u = abs(uncertainty) if _finite(uncertainty) else 0.0
+    if u and abs(abs(ours - paper) - tolerance) < u:
+        verdict, reason = NOT_COMPARABLE, (f"{_gap(ours, paper, unit)} from {named}: the {tol_text} edge is within "
+                                           f"ours ±{fmt(u, unit) if unit != '%' else f'{100 * u:.2g} points'} "
+                                           "(sampling error): too close to tell")
+    elif abs(ours - paper) <= tolerance:
         verdict, reason = AGREES, f"within {tol_text} of {named}"
     else:
         side = "above" if ours > paper else "below"
@@ -141,6 +149,16 @@ def close(quantity: str, paper: float, ours: float, tolerance: float, unit: str 
         reason += f" ({note})"
     return Claim(quantity, ref_text, ours_text, verdict, reason, "close", float(ours), float(paper),
                  float(tolerance), None, unit, source, structure)
+
+
+def rate_uncertainty(rate: float, n: int) -> float:
+    """Two binomial standard errors of a rate measured over n events (a hit rate over n expert uses): the
+    sampling error of a short trace. Uses are correlated in time, so this is a lower bound on the true error."""
+    if isinstance(n, bool) or not isinstance(n, (int,)) or n < 1:
+        raise ValueError(f"n={n!r}: give the number of events (an int >= 1) the rate was measured over")
+    if not (_finite(rate) and 0.0 <= rate <= 1.0):
+        raise ValueError(f"rate={rate!r}: give a fraction in [0, 1]")
+    return 2.0 * math.sqrt(rate * (1.0 - rate) / n)
 
 
 def beats(quantity: str, ours: float, threshold: float, reference: str, unit: str = "x", spread: float | None = None,
@@ -248,5 +266,5 @@ def hidden_structure(values: Mapping[str, float], tolerance: float, unit: str = 
     return f"{what} hides " + ", ".join(f"{k} at {fmt(v, unit)}" for k, v in out.items()) + f" (the others {others})"
 
 
-__all__ = ["AGREES", "DISAGREES", "NOT_COMPARABLE", "VERDICTS", "Claim", "at_least", "beats", "close", "fmt", "hidden_structure",
-           "holds", "not_comparable", "outliers", "sig"]
+__all__ = ["AGREES", "DISAGREES", "NOT_COMPARABLE", "VERDICTS", "Claim", "at_least", "beats", "close", "fmt",
+           "hidden_structure", "holds", "not_comparable", "outliers", "rate_uncertainty", "sig"]

@@ -38,13 +38,30 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -
         with tqdm(total=2, desc="calibrating this machine", unit="step", leave=False) as bar:
             layer_s = machine_clock(model).layer_s
             bar.update()
-            ids = torch.tensor([tokenizer("The expert cache holds the experts")["input_ids"]])
+            ids = calibration_ids(tokenizer)
             timed = None if link == "instant" else link  # every other link is emulated on a CPU
             with pinned():
                 compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s)
             bar.update()
         per_model[link] = (dataclasses.replace(run_hardware(link, layer_s), compute=compute), layer_s)
     return per_model[link]
+
+
+CALIBRATION_TOKENS = 128  # as long as the notebooks' prefills: the profile's per-token slopes are linear fits
+
+
+def calibration_ids(tokenizer, tokens: int = CALIBRATION_TOKENS) -> "torch.Tensor":
+    """The compute calibration's prompt: the first `tokens` tokens of the corpus's first training document
+    (never a held-out prompt that a notebook then measures), shape (1, tokens)."""
+    import torch
+
+    from fate_lab.model.corpus import load_corpus
+
+    text = load_corpus(split="train")[0]["text"]
+    ids = tokenizer(text)["input_ids"][:tokens]
+    if len(ids) < tokens:
+        raise ValueError(f"the corpus's first training document has {len(ids)} tokens; the calibration needs {tokens}")
+    return torch.tensor([ids])
 
 
 def setup_hardware(name: str) -> Hardware:

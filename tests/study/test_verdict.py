@@ -79,3 +79,19 @@ def test_three_significant_digits(x, text):
 def test_fmt_by_unit():
     assert (v.fmt(0.5, "%"), v.fmt(2.0, "x"), v.fmt(18.4, "pts"), v.fmt(None), v.fmt(math.nan, "%")) == \
         ("50.0%", "2.00x", "+18.4 points", "—", "—")
+
+
+def test_close_with_a_sampling_error_cannot_tell_at_the_tolerance_edge():
+    # FAST's replay: 768 decode uses at 97.0%, two standard errors 1.23 points; 99.08% +- 2 points
+    u = v.rate_uncertainty(0.970, 768)
+    assert u == pytest.approx(2 * math.sqrt(0.97 * 0.03 / 768))
+    edge = v.close("hit rate", 0.9908, 0.970, 0.02, uncertainty=u)
+    assert edge.verdict == v.NOT_COMPARABLE and "too close to tell" in edge.why
+    assert v.close("hit rate", 0.9908, 0.970, 0.02).verdict == v.DISAGREES  # without it: a 0.08-point miss
+    # 49,152 uses (the full-size trace) at 97.26%: the edge is outside the error band
+    assert v.close("hit rate", 0.9908, 0.9726, 0.02, uncertainty=v.rate_uncertainty(0.9726, 49152)).verdict == v.AGREES
+    assert v.close("hit rate", 0.9908, 0.60, 0.02, uncertainty=0.05).verdict == v.DISAGREES  # far: still decided
+    with pytest.raises(ValueError, match="n=0"):
+        v.rate_uncertainty(0.5, 0)
+    with pytest.raises(ValueError, match="rate=1.5"):
+        v.rate_uncertainty(1.5, 10)

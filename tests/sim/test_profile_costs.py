@@ -1,0 +1,99 @@
+"""The compute profile's CPU-emulation costs in the timed simulator, checked by hand arithmetic.
+
+`busy_factor` slows the expert, prediction and call pieces only while the link copies (so a run that
+moves nothing is predicted at the resident speed); `transfer_host_s` is charged once per queued
+transfer; `landed_s` once per landed transfer and once per host-computed expert. On an instant link a
+transfer takes no time, so each of these shifts a run's total by exactly count x cost.
+"""
+import dataclasses
+
+import pytest
+
+from fate_lab.core.config import OffloadConfig
+from fate_lab.core.shape import ModelShape
+from fate_lab.hardware.compute import ComputeProfile
+from fate_lab.hardware.links import LinkProfile
+from fate_lab.hardware.profiles import COMPUTE_PROFILES
+from fate_lab.hardware.setups import Hardware
+from fate_lab.model.adapters import adapt
+from fate_lab.model.record import record_trace
+from fate_lab.sim.simulate import simulate
+
+BASE = COMPUTE_PROFILES["qwen15_moe_rtx3090"]
+
+
+@pytest.fixture(scope="module")
+def setup(embedded_model):
+    model, tok = embedded_model("tiny_moe")
+    prompts = [tok("The expert cache holds the experts of every layer")["input_ids"], tok("In the beginning")["input_ids"]]
+    trace = record_trace(model, None, prompts, decode_tokens=7, progress=False)
+    shape = ModelShape.from_adapter(adapt(model))
+    return trace, shape
+
+
+def _total(stats) -> float:
+    return sum(sum(v) for v in stats.forward_s.values())
+
+
+def _slow_link(shape: ModelShape) -> LinkProfile:
+    return LinkProfile("one expert = 1 ms", shape.nbytes(None) / 1e-3, 0.0)
+
+
+def test_a_busy_link_slows_nothing_when_nothing_moves(setup):
+    trace, shape = setup
+    cfg = OffloadConfig.preset("all_resident")
+    link = _slow_link(shape)
+    idle = simulate(trace, cfg, Hardware(BASE, link), shape)
+    busy = simulate(trace, cfg, Hardware(dataclasses.replace(BASE, busy_factor=4.0), link), shape)
+    assert sum(layer["decode"].bytes_moved for layer in busy.layers) == 0
+    assert _total(busy) == pytest.approx(_total(idle), rel=1e-12)
+
+
+def test_a_busy_link_slows_the_compute_pieces_that_overlap_its_copies(setup):
+    trace, shape = setup  # load-on-demand: no decision depends on timing, so slower pieces can only add time
+    cfg = OffloadConfig.preset("load_on_demand")
+    link = LinkProfile("one expert = one expert's compute", shape.nbytes(None) / BASE.expert_s, 0.0)
+    base = simulate(trace, cfg, Hardware(BASE, link), shape)
+    slow = simulate(trace, cfg, Hardware(dataclasses.replace(BASE, busy_factor=4.0), link), shape)
+    assert _total(slow) > _total(base)
+    # at most every expert, call and prediction piece 4x as long: the dense layers are untouched
+    calls = sum(layer[p].compute_s - layer[p].stall_s for layer in base.layers for p in ("prefill", "decode"))
+    assert _total(slow) - _total(base) <= 3 * calls + 1e-9
+    instant = [simulate(trace, OffloadConfig.preset("fate", slots=64), Hardware(c, None), shape)
+               for c in (BASE, dataclasses.replace(BASE, busy_factor=4.0))]
+    assert _total(instant[1]) == pytest.approx(_total(instant[0]), rel=1e-12)  # an instant link is never busy
+
+
+def test_each_queued_transfer_costs_the_compute_thread_transfer_host_s(setup):
+    trace, shape = setup
+    cfg = OffloadConfig.preset("fate", slots=shape.num_moe_layers * shape.num_experts // 4)
+    cost = 37e-6
+    base = simulate(trace, cfg, Hardware(BASE, None), shape)
+    charged = simulate(trace, cfg, Hardware(dataclasses.replace(BASE, transfer_host_s=cost), None), shape)
+    moved = sum(layer[p].bytes_moved for layer in base.layers for p in ("prefill", "decode")) // shape.nbytes(None)
+    assert moved > 0
+    assert _total(charged) - _total(base) == pytest.approx(moved * cost, rel=1e-9)
+
+
+def test_a_host_computed_expert_costs_the_dense_layers_landed_s(setup):
+    trace, shape = setup
+    cfg = OffloadConfig.preset("all_host")
+    cost = 53e-6
+    base = simulate(trace, cfg, Hardware(BASE, None), shape)
+    charged = simulate(trace, cfg, Hardware(dataclasses.replace(BASE, landed_s=cost), None), shape)
+    assert sum(layer[p].host for layer in base.layers for p in ("prefill", "decode")) > 0
+    # one charge per host computation: each (forward, layer, expert) once, however many tokens it serves
+    assert _total(charged) - _total(base) == pytest.approx(_host_computations(trace, shape) * cost, rel=1e-9)
+
+
+def _host_computations(trace, shape) -> int:
+    """Distinct (forward, layer, expert) of the trace: a prefill's rows are one forward, each decode row one."""
+    from fate_lab.sim.simulate import trace_steps
+
+    return sum(len(set(trace.experts[a:b, m].reshape(-1).tolist())) for a, b in trace_steps(trace)
+               for m in range(shape.num_moe_layers))
+
+
+def test_a_busy_factor_below_one_is_refused():
+    with pytest.raises(ValueError, match="busy_factor=0.5"):
+        ComputeProfile("bad", 1e-3, 0.0, 1e-4, 0.0, 0.0, 0.0, busy_factor=0.5)
