@@ -57,6 +57,44 @@ class ReplacementPolicy:
         raise NotImplementedError
 
 
+class ScoredEviction(ReplacementPolicy):
+    """A policy that evicts the unprotected resident ranked lowest by `_rank` (one admit for LRFU, RouterEMA and
+    LeastStale): a subclass keeps `_res` and `capacity`, defines `_rank(e)` (lowest goes first) and `access(e)`
+    (a use; also called on insert), and may drop an evicted expert's history in `_forget(e)`."""
+
+    _res: set[int]
+
+    def _rank(self, e: int):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _forget(self, e: int) -> None:
+        """An evicted expert's bookkeeping, dropped or kept (default: kept)."""
+
+    def __contains__(self, e: int) -> bool:
+        return e in self._res
+
+    def resident(self) -> list[int]:
+        """Resident ids, next victim first."""
+        return sorted(self._res, key=self._rank)
+
+    def admit(self, e: int, protect: frozenset[int] = frozenset()) -> int | None:
+        """Insert ``e``; evict the unprotected resident ranked lowest."""
+        if e in self._res:
+            self.access(e)
+            return None
+        victim = None
+        if len(self._res) >= self.capacity:
+            candidates = [x for x in self._res if x not in protect] if protect else self._res
+            if not candidates:
+                return e
+            victim = min(candidates, key=self._rank)
+            self._res.discard(victim)
+            self._forget(victim)
+        self._res.add(e)
+        self.access(e)
+        return victim
+
+
 def check_capacity(capacity: int) -> int:
     """The capacity as an int, refusing a negative one."""
     if capacity < 0:

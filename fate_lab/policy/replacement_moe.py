@@ -24,10 +24,10 @@ layer, as here, the layer order of a forward pass plays no part.
 """
 from __future__ import annotations
 
-from fate_lab.policy.replacement import ReplacementPolicy
+from fate_lab.policy.replacement import ScoredEviction
 
 
-class LeastStale(ReplacementPolicy):
+class LeastStale(ScoredEviction):
     """Evict the resident expert most overdue relative to its own learned reuse interval."""
 
     name = "least_stale"
@@ -50,12 +50,9 @@ class LeastStale(ReplacementPolicy):
         now = self._t + 1 if now is None else now
         return float(now - self._last[e]) / max(self._interval[e], 1.0)
 
-    def __contains__(self, e: int) -> bool:
-        return e in self._res
-
-    def resident(self) -> list[int]:
-        """Resident ids, next victim first."""
-        return sorted(self._res, key=lambda x: (-self.staleness(x), self._last[x]))
+    def _rank(self, e: int) -> tuple[float, int]:
+        """The stalest first; ties: the least recently used."""
+        return (-self.staleness(e), self._last[e])
 
     def _ref(self, e: int) -> None:
         self._t += 1
@@ -71,21 +68,6 @@ class LeastStale(ReplacementPolicy):
         """A use: learn the interval since the last one."""
         self._ref(e)
 
-    def admit(self, e: int, protect: frozenset[int] = frozenset()) -> int | None:
-        """Insert ``e``; evict the stalest unprotected resident."""
-        if e in self._res:
-            self._ref(e)
-            return None
-        victim = None
-        if len(self._res) >= self.capacity:
-            candidates = [x for x in self._res if x not in protect]
-            if not candidates:
-                return e
-            now = self._t + 1
-            victim = max(candidates, key=lambda x: (self.staleness(x, now), -self._last[x]))
-            self._res.discard(victim)
-            if not self.keep_history:
-                del self._last[victim], self._interval[victim]
-        self._res.add(e)
-        self._ref(e)
-        return victim
+    def _forget(self, e: int) -> None:
+        if not self.keep_history:
+            del self._last[e], self._interval[e]

@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from fate_lab.policy.replacement import ReplacementPolicy, check_capacity
+from fate_lab.policy.replacement import ScoredEviction, check_capacity
 
 
-class LRFU(ReplacementPolicy):
+class LRFU(ScoredEviction):
     """Frequency-weighted recency (LRFU, Lee et al. 2001): our better-than-LRU policy.
 
     Each reference adds 1 to an expert's combined recency-frequency score, and the score
@@ -52,38 +52,19 @@ class LRFU(ReplacementPolicy):
         # score(e) at any later time t is 2**(key - lam * t): comparing keys compares scores
         self._key[e] = (math.log2(crf) + self.lam * self._t, self._t)
 
-    def __contains__(self, e: int) -> bool:
-        return e in self._res
-
-    def resident(self) -> list[int]:
-        """Resident ids, lowest score (next victim) first."""
-        return sorted(self._res, key=self._key.__getitem__)
+    def _rank(self, e: int) -> tuple[float, int]:
+        return self._key[e]  # lowest score (next victim) first
 
     def access(self, e: int) -> None:
         """Add one reference to ``e``'s score."""
         self._ref(e)
 
-    def admit(self, e: int, protect: frozenset[int] = frozenset()) -> int | None:
-        """Insert ``e``; evict the unprotected resident with the lowest score."""
-        if e in self._res:
-            self._ref(e)
-            return None
-        victim = None
-        if len(self._res) >= self.capacity:
-            key = self._key
-            candidates = [x for x in self._res if x not in protect] if protect else self._res
-            if not candidates:
-                return e
-            victim = min(candidates, key=key.__getitem__)
-            self._res.discard(victim)
-            if not self.keep_history:
-                del self._crf[victim], self._tref[victim], self._key[victim]
-        self._res.add(e)
-        self._ref(e)
-        return victim
+    def _forget(self, e: int) -> None:
+        if not self.keep_history:
+            del self._crf[e], self._tref[e], self._key[e]
 
 
-class RouterEMA(ReplacementPolicy):
+class RouterEMA(ScoredEviction):
     """Soft frequency from the router itself: evict the resident expert with the lowest decayed
     average of the router's probability (our policy beyond ARC).
 
@@ -115,33 +96,11 @@ class RouterEMA(ReplacementPolicy):
             self._score = [0.0] * len(probs)
         self._score = [d * a + (1.0 - d) * b for a, b in zip(self._score, probs)]
 
-    def _key(self, e: int) -> tuple[float, int]:
+    def _rank(self, e: int) -> tuple[float, int]:
+        """Lowest score (next victim) first; ties: the least recently used."""
         return (self._score[e] if e < len(self._score) else 0.0, self._last.get(e, -1))
-
-    def __contains__(self, e: int) -> bool:
-        return e in self._res
-
-    def resident(self) -> list[int]:
-        """Resident ids, lowest score (next victim) first."""
-        return sorted(self._res, key=self._key)
 
     def access(self, e: int) -> None:
         """A use: only the recency (tie-break) changes; the score follows the router."""
         self._t += 1
         self._last[e] = self._t
-
-    def admit(self, e: int, protect: frozenset[int] = frozenset()) -> int | None:
-        """Insert ``e``; evict the unprotected resident with the lowest score."""
-        if e in self._res:
-            self.access(e)
-            return None
-        victim = None
-        if len(self._res) >= self.capacity:
-            candidates = [x for x in self._res if x not in protect]
-            if not candidates:
-                return e
-            victim = min(candidates, key=self._key)
-            self._res.discard(victim)
-        self._res.add(e)
-        self.access(e)
-        return victim
