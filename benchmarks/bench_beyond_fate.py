@@ -19,6 +19,8 @@ import torch
 
 from fate_lab.core.config import OffloadConfig
 
+from .report import emit
+
 PRESETS = ["lru", "fate", "fate_learned", "host_compute", "static_host", "all_host"]
 
 
@@ -68,12 +70,7 @@ def main(argv: list[str] | None = None) -> str:
               f"- host_compute / fate at 50%: {tables[0.5].loc['host_compute', 'decode tok/s'] / tables[0.5].loc['fate', 'decode tok/s']:.2f}x",
               f"- every row keeps the plain model's tokens: {bool(all(all(t['same tokens as plain']) for t in tables.values()))}",
               f"\nWall time {time.time() - t0:.0f} s."]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return text
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

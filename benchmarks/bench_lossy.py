@@ -14,6 +14,8 @@ import shlex
 import sys
 import time
 
+from .report import emit
+
 THRESHOLDS = {"drop": [0.05, 0.1, 0.2], "substitute": [0.05, 0.1, 0.2], "commit": [0.3, 0.5, 0.7],
               "standin": [0, 4, 16]}  # standin: the recurrence window in decode calls
 
@@ -46,12 +48,7 @@ def main(argv: list[str] | None = None) -> str:
                      f"threshold {best['threshold']}: {best['speed vs fate']:.2f}x fate, ppl {best['perplexity change']:+.2%}, "
                      f"agreement {best['greedy agreement']:.1%}"))
     lines.append(f"\nWall time {time.time() - t0:.0f} s.")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return text
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import shlex
 import sys
 import time
 
+from .report import emit
+
 POLICIES = ["lru", "lfu", "arc", "lrfu", "router_ema"]
 
 
@@ -61,12 +63,7 @@ def main(argv: list[str] | None = None) -> str:
                 f"{100 * (sh[best] - sh['arc']):+.1f} pts | — |")
             print("\n".join(lines[-2:]), flush=True)
     lines.append(f"\nWall time {time.time() - t0:.0f} s.")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return text
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

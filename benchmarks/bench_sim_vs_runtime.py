@@ -32,6 +32,7 @@ from fate_lab.sim.simulate import simulate
 from fate_lab.study.whatif import calibration_ids
 
 from .bench_prefetch_variants import ladder
+from .report import emit
 
 PRESETS = ["all_resident", "load_on_demand", "lru", "mixtral_offloading", "activation_path", "eap", "fate_v1", "fate",
            "host_compute", "static_host", "all_host"]
@@ -144,12 +145,7 @@ def _run(args, argv) -> str:
                          f"fate/fate_v1 {g('fate') / g('fate_v1'):.2f}x, "
                          f"fate_quant/lru_quant {g('fate_quant') / g('lru_quant'):.2f}x")
     lines.append(f"\nWall time {time.time() - t0:.0f} s.")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return text
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

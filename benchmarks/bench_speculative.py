@@ -40,6 +40,8 @@ from fate_lab.sim.speculative import (
 )
 from fate_lab.study.speculative import acceptance_run, draft_matches, generate_logged, speculative_decode
 
+from .report import emit
+
 LINK = "qwen15_moe_rtx3090_pcie3"
 
 
@@ -156,12 +158,7 @@ def main(argv: list[str] | None = None) -> str:
               f"{least['moved_per_token'] / base['moved_per_token']:.2f}x fate's (target of issue 10: <= 0.6x at the "
               f"best window: {'met' if best['moved_per_token'] <= 0.6 * base['moved_per_token'] else 'not met'}).",
               f"\nWall time {time.time() - t0:.0f} s."]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return text
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

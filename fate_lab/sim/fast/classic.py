@@ -18,7 +18,7 @@ import math
 from numba import njit
 
 from fate_lab.sim.fast.structs import (HEAP, K1, K2, POS, heap_min_unprotected, heap_push, heap_remove, heap_update,
-                                       ll_append, ll_first_unprotected, ll_reset, ll_unlink)
+                                       ll_append, ll_first_unprotected, ll_move, ll_reset, ll_unlink)
 
 HEAPED = 31  # S[HEAPED]: 1 if the ranked residents are a heap
 
@@ -247,15 +247,8 @@ def arc_init(I, S, G, E, cap):
 
 @njit(cache=True, _nrt=False, inline="always")
 def arc_put(I, S, E, e, code):
-    """Move e to the MRU end of list `code` (0: out of every list)."""
-    old = I[2, e]
-    if old != 0:
-        ll_unlink(I, 0, 1, e)
-        S[1 + old] -= 1
-    if code != 0:
-        ll_append(I, 0, 1, E + code - 1, e)
-        S[1 + code] += 1
-    I[2, e] = code
+    """Move e to the MRU end of list `code` (0: out of every list); list lengths in S[2:6]."""
+    ll_move(I, S, E, e, code, 1)
 
 
 @njit(cache=True, _nrt=False, inline="always")

@@ -14,7 +14,8 @@ import math
 from numba import njit
 
 from fate_lab.sim.fast.classic import ranked_init, ranked_insert, ranked_min, ranked_rekey, ranked_remove
-from fate_lab.sim.fast.structs import HEAP, K1, K2, ll_append, ll_first_unprotected, ll_reset, ll_unlink, splitmix_uniform
+from fate_lab.sim.fast.structs import (HEAP, K1, K2, ll_append, ll_first_unprotected, ll_move, ll_reset, ll_unlink,
+                                       splitmix_uniform)
 
 # --- S3-FIFO: lists small, main, ghost (codes 1-3, sentinels E..E+2, sizes S[11..13]); I[2] code, I[3] count
 # S[4] small share, S[5] main share, S[6] ghost size, S[7] move threshold, S[8] has evicted
@@ -30,14 +31,8 @@ def s3_init(I, S, E, cap, small_cap, ghost_cap, threshold):
 
 @njit(cache=True, _nrt=False, inline="always")
 def s3_put(I, S, E, e, code):
-    old = I[2, e]
-    if old != 0:
-        ll_unlink(I, 0, 1, e)
-        S[10 + old] -= 1
-    if code != 0:
-        ll_append(I, 0, 1, E + code - 1, e)
-        S[10 + code] += 1
-    I[2, e] = code
+    """Move e to the new end of S3-FIFO's queue `code` (0: out of every queue); queue lengths in S[11:14]."""
+    ll_move(I, S, E, e, code, 10)
 
 
 @njit(cache=True, _nrt=False, inline="always")

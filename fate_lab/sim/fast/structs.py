@@ -49,6 +49,20 @@ def ll_unlink(A, rn, rp, x):
 
 
 @njit(cache=True, _nrt=False, inline="always")
+def ll_move(I, S, E, e, code, count_at):
+    """Move e to the new end of list `code` (sentinel E + code - 1; 0: out of every list), the list whose
+    membership is row 2 of I, keeping each list's length in S[count_at + code] (ARC's and S3-FIFO's lists)."""
+    old = I[2, e]
+    if old != 0:
+        ll_unlink(I, 0, 1, e)
+        S[count_at + old] -= 1
+    if code != 0:
+        ll_append(I, 0, 1, E + code - 1, e)
+        S[count_at + code] += 1
+    I[2, e] = code
+
+
+@njit(cache=True, _nrt=False, inline="always")
 def ll_first_unprotected(A, rn, s, prot):
     """The oldest member of list s not in prot, or -1."""
     x = A[rn, s]
