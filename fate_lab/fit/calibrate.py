@@ -17,36 +17,21 @@ from fate_lab.core.config import OffloadConfig
 from fate_lab.hardware.compute import ComputeProfile
 
 
-def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
-                      name: str = "this machine", link: str | None = None,
-                      layer_compute_s: float | None = None) -> ComputeProfile:
-    """A `ComputeProfile` measured from the runtime itself: every expert resident, instant link, timeline on.
+RESIDENT_RUNS = 3  # measured all-resident generates
 
-    Decode figures are medians over the decode steps; prefill's per-token slopes come from the prompt.
-    With `link` (an emulated link name), a second run loads experts on demand over it and measures what
-    the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`, `busy_factor`,
-    `transfer_host_s`); the resident figures stay those of the first run, so a run that moves nothing (all
-    experts resident) is predicted at the resident speed. Give a prompt as long as the prefills to be
-    predicted: the per-token slopes are linear fits, and a 10-token prompt (about one token per expert)
-    overstates a long prefill's expert time.
-    """
-    from fate_lab.offloading.runtime import offload
 
-    cfg = OffloadConfig.preset("fate", all_resident=True, link="instant", quant=quant)
-    with offload(model, cfg) as rt:
-        model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        rt.reset_stats()  # the first run warmed up; measure the second
-        model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        st, tl = rt.stats, rt.stats.timeline
-        M, L, T = rt.adapter.num_moe_layers, len(getattr(model, "model", model).layers), prompt_ids.shape[1]
-        K = rt.top_k
-        pre_end = st.forward_s["prefill"][0]  # one prefill forward
-        p = st.total("prefill")
+def med(xs: list[float]) -> float:
+    """The median (the upper one of an even count); 0 for none."""
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 0.0
 
-    def med(xs: list[float]) -> float:
-        xs = sorted(xs)
-        return xs[len(xs) // 2] if xs else 0.0
 
+def _resident_figures(st, M: int, L: int, T: int, K: int) -> tuple[float, ...]:
+    """(dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok) of one all-resident generate:
+    decode figures are medians over its decode steps, prefill's per-token slopes come from its prompt."""
+    tl = st.timeline
+    pre_end = st.forward_s["prefill"][0]  # one prefill forward
+    p = st.total("prefill")
     comp = [ev[4] - ev[3] for ev in tl if ev[0] == "compute"]  # chronological: the prefill's come first
     pred = [ev[4] - ev[3] for ev in tl if ev[0] == "predict"]
     n_pre = p.uses
@@ -63,6 +48,35 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     fwd = med(st.forward_s["decode"])
     dense_s = max(0.0, (fwd - call_total) / L)
     dense_tok = max(0.0, (pre_end - p.compute_s - L * dense_s) / max(1, L * (T - 1)))
+    return dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok
+
+
+def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
+                      name: str = "this machine", link: str | None = None,
+                      layer_compute_s: float | None = None) -> ComputeProfile:
+    """A `ComputeProfile` measured from the runtime itself: every expert resident, instant link, timeline on.
+
+    Decode figures are medians over the decode steps; prefill's per-token slopes come from the prompt.
+    With `link` (an emulated link name), a second run loads experts on demand over it and measures what
+    the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`, `busy_factor`,
+    `transfer_host_s`); the resident figures (medians over `RESIDENT_RUNS` generates) stay those of the first
+    run, so a run that moves nothing (all experts resident) is predicted at the resident speed. Give a prompt as long as the prefills to be
+    predicted: the per-token slopes are linear fits, and a 10-token prompt (about one token per expert)
+    overstates a long prefill's expert time.
+    """
+    from fate_lab.offloading.runtime import offload
+
+    cfg = OffloadConfig.preset("fate", all_resident=True, link="instant", quant=quant)
+    runs = []
+    with offload(model, cfg) as rt:
+        model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)  # warm-up
+        M, L, T = rt.adapter.num_moe_layers, len(getattr(model, "model", model).layers), prompt_ids.shape[1]
+        for _ in range(RESIDENT_RUNS):  # each figure is the median over these runs: a busy spell hits one
+            rt.reset_stats()
+            model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            runs.append(_resident_figures(rt.stats, M, L, T, rt.top_k))
+    dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok = (
+        med([r[i] for r in runs]) for i in range(7))
     cold = landed = extra = wake = queued = 0.0
     busy = 1.0
     if link is not None:  # the same machine while an emulated link copies on the other core

@@ -28,7 +28,7 @@ class ComputeProfile:
     # the other core's cache; 0 on a GPU, where a kernel reads device memory either way)
     landed_s: float = 0.0  # extra dense time per landed transfer or host-computed expert (CPU emulation: the
     # link's copies, or the host compute reading the expert, evict the dense weights from the shared caches;
-    # 0 on a GPU)
+    # the next dense layer pays it, at most its own time again; 0 on a GPU)
     link_extra_s: float = 0.0  # an emulated transfer's overshoot beyond latency + bytes/bandwidth (sleep
     # granularity of the worker thread); 0 for a real link
     wake_s: float = 0.0  # from a transfer landing to the waiting compute thread running again

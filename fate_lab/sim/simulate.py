@@ -72,6 +72,7 @@ class SimLink:
         self.queue: list[_SimTransfer] = []  # not started, urgent ones first
         self.free_at = 0.0
         self.fresh: set[tuple[int, int]] = set()  # (layer, expert) whose bytes landed since it last computed
+        self.evicting = 0.0  # landed_s owed by the next dense layer (`Simulator._dense`)
 
     def _time(self, nbytes: int) -> float:
         return 0.0 if self.link is None else self.link.transfer_time(nbytes) + self.compute.link_extra_s
@@ -92,7 +93,7 @@ class SimLink:
         if not x.counted:
             x.counted = True
             self.fresh.add((x.m, x.e))
-            self.clock.now += self.compute.landed_s
+            self.evicting += self.compute.landed_s
             self.ctx.landed(x.m, x.nbytes, x.spec)
 
     def busy(self) -> bool:
@@ -201,9 +202,10 @@ class Simulator:
         comp, M, core, clock = self.hw.compute, self.shape.num_moe_layers, self.core, self.clock
         core.begin_forward(phase or ("prefill" if T > 1 else "decode"))
         t0 = clock.now
-        clock.now += (self.shape.num_layers - M) * comp.dense(T)  # dense-only decoder layers (e.g. DeepSeek's first)
+        for _ in range(self.shape.num_layers - M):  # dense-only decoder layers (e.g. DeepSeek's first)
+            self._dense(T)
         for m in range(M):
-            clock.now += comp.dense(T)
+            self._dense(T)
             t_call = clock.now
             clock.now += comp.call_s * self._slow()
             idx = experts[:, m]  # (T, K)
@@ -219,7 +221,7 @@ class Simulator:
                     clock.now += core.host_time(n[e]) + comp.link_extra_s
                     core.stats.layers[m][core.phase].host_s += clock.now - c0
                     core.event("host", m, e, c0, clock.now)
-                    clock.now += comp.landed_s  # its weights streamed through the caches the dense layers use
+                    self.link.evicting += comp.landed_s  # its weights streamed through the dense layers' caches
                     return
                 clock.now += comp.expert(n[e]) * self._slow() + (comp.expert_cold_s if (m, e) in self.link.fresh else 0.0)
                 self.link.fresh.discard((m, e))
@@ -235,9 +237,18 @@ class Simulator:
             core.run_layer(LayerCall(m, idx, compute, gate_input=None if gate_inputs is None else gate_inputs[:, m],
                                      weights=None if weights is None else weights[:, m], timed=timed))
             core.stats.layers[m][core.phase].compute_s += clock.now - t_call
+        self._dense(T, compute=False)  # what the last layer's landings evicted: the head and the next forward
         dt = clock.now - t0
         core.end_forward(dt)
         return dt
+
+    def _dense(self, T: int, compute: bool = True) -> None:
+        """One dense layer of T tokens, slower by what landed since the last one (`ComputeProfile.landed_s` each:
+        copies and host computes evict its weights from the shared caches) -- at most its own time again, since
+        it re-reads its weights once however much evicted them."""
+        d = self.hw.compute.dense(T)
+        self.clock.now += (d if compute else 0.0) + min(self.link.evicting, d)
+        self.link.evicting = 0.0
 
 
 def trace_steps(trace: Trace) -> list[tuple[int, int]]:

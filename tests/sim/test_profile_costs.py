@@ -78,12 +78,24 @@ def test_each_queued_transfer_costs_the_compute_thread_transfer_host_s(setup):
 def test_a_host_computed_expert_costs_the_dense_layers_landed_s(setup):
     trace, shape = setup
     cfg = OffloadConfig.preset("all_host")
-    cost = 53e-6
+    cost = 1e-6  # 32 experts x 1 us stays below one dense layer (0.36 ms): no cap
     base = simulate(trace, cfg, Hardware(BASE, None), shape)
     charged = simulate(trace, cfg, Hardware(dataclasses.replace(BASE, landed_s=cost), None), shape)
     assert sum(layer[p].host for layer in base.layers for p in ("prefill", "decode")) > 0
     # one charge per host computation: each (forward, layer, expert) once, however many tokens it serves
     assert _total(charged) - _total(base) == pytest.approx(_host_computations(trace, shape) * cost, rel=1e-9)
+
+
+def test_what_evicts_a_dense_layer_costs_it_at_most_its_own_time_again(setup):
+    trace, shape = setup
+    cfg = OffloadConfig.preset("all_host")  # every MoE layer of every forward computes on the host
+    base = simulate(trace, cfg, Hardware(BASE, None), shape)
+    capped = simulate(trace, cfg, Hardware(dataclasses.replace(BASE, landed_s=1.0), None), shape)
+    from fate_lab.sim.simulate import trace_steps
+
+    # each MoE layer's evictions are paid once, by the next dense layer (the last one's at the forward's end)
+    want = sum(shape.num_moe_layers * BASE.dense(b - a) for a, b in trace_steps(trace))
+    assert _total(capped) - _total(base) == pytest.approx(want, rel=1e-9)
 
 
 def _host_computations(trace, shape) -> int:
