@@ -54,14 +54,17 @@ def quantize_model_experts(model: nn.Module, policy_or_spec: QuantPolicy | Quant
 @torch.no_grad()
 def quality_report(model_fp: nn.Module, model_q: nn.Module, token_batches: Iterable[torch.Tensor],
                    progress: bool = True) -> dict:
-    """Perplexity of both models, greedy next-token agreement and mean KL(fp || q) per position.
+    """Perplexity of both models, greedy next-token agreement and mean KL(fp || q) per position, and the
+    sampling error of the perplexity change: ``ppl_change_uncertainty``, two standard errors of
+    exp(mean d) - 1 over the per-position NLL differences d = nll_q - nll_fp (positions taken as independent,
+    a lower bound), to first order exp(mean d) * 2 sd(d) / sqrt(n).
 
     token_batches: LongTensors [B, T] (or [T]) of unpadded token ids; every position but the
     last predicts the next token. A progress bar counts the batches (progress=False: none).
     """
     from tqdm.auto import tqdm
 
-    nll_fp = nll_q = kl = agree = 0.0
+    nll_fp = nll_q = kl = agree = d2 = 0.0
     n = 0
     batches = list(token_batches)
     for ids in tqdm(batches, desc="quality", unit="window", disable=not progress, leave=False):
@@ -72,16 +75,21 @@ def quality_report(model_fp: nn.Module, model_q: nn.Module, token_batches: Itera
         lp_q = model_q(input_ids=ids.to(next(model_q.parameters()).device)).logits[:, :-1].double()
         lp_q = lp_q.to(lp_fp.device).log_softmax(-1)  # (B, T-1, V)
         target = ids[:, 1:].unsqueeze(-1)  # (B, T-1, 1)
-        nll_fp += -lp_fp.gather(-1, target).sum().item()
-        nll_q += -lp_q.gather(-1, target).sum().item()
+        pos_fp, pos_q = -lp_fp.gather(-1, target), -lp_q.gather(-1, target)  # (B, T-1, 1) per-position NLL
+        nll_fp += pos_fp.sum().item()
+        nll_q += pos_q.sum().item()
+        d2 += ((pos_q - pos_fp) ** 2).sum().item()
         kl += (lp_fp.exp() * (lp_fp - lp_q)).sum().item()
         agree += (lp_fp.argmax(-1) == lp_q.argmax(-1)).sum().item()
         n += target.numel()
     if n == 0:
         raise ValueError("token_batches held no position to predict (need sequences of >= 2 tokens)")
+    mean_d = (nll_q - nll_fp) / n
+    sd = math.sqrt(max(0.0, d2 / n - mean_d ** 2) * n / (n - 1)) if n > 1 else float("nan")
     return {
         "perplexity_fp": math.exp(nll_fp / n),
         "perplexity_q": math.exp(nll_q / n),
+        "ppl_change_uncertainty": math.exp(mean_d) * 2 * sd / math.sqrt(n),
         "greedy_agreement": agree / n,
         "mean_kl": kl / n,
         "n_tokens": n,

@@ -48,6 +48,19 @@ def adjacent_cosine(gate_inputs: Tensor, phase: Tensor | None = None) -> list[di
     return rows
 
 
+def adjacent_cosine_per_token(gate_inputs: Tensor, pairs: list[int] | None = None) -> Tensor:
+    """``[N]``: each token's cosine between adjacent layers' gate inputs, averaged over the pairs (l, l+1) for l
+    in ``pairs`` (all pairs by default). Its mean is `adjacent_cosine`'s mean over those pairs; its spread over
+    tokens is the mean's sampling error (`verdict.mean_uncertainty`)."""
+    x = torch.nn.functional.normalize(gate_inputs.float(), dim=-1)  # (N, L, H)
+    cos = (x[:, :-1] * x[:, 1:]).sum(-1)  # (N, L-1)
+    if pairs is not None:
+        if not pairs or min(pairs) < 0 or max(pairs) >= cos.shape[1]:
+            raise ValueError(f"pairs {pairs}: give layer indices l in [0, {cos.shape[1]}) of pairs (l, l+1)")
+        cos = cos[:, list(pairs)]
+    return cos.mean(1)
+
+
 def cosine_matrix(gate_inputs: Tensor) -> Tensor:
     """``[L, L]`` mean per-token cosine between the gate inputs of every pair of layers."""
     x = torch.nn.functional.normalize(gate_inputs.float(), dim=-1)  # (N, L, H)

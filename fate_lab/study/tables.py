@@ -101,6 +101,13 @@ def rule_table(trace: Trace, rules: dict, phases=("decode", "prefill", "prefill 
     return pd.DataFrame(rows)
 
 
+def recall_error(trace: Trace, rule: SelectionRule, phase: str = "decode") -> float:
+    """The sampling error of a rule's mean recall in one phase: two standard errors over the phase's tokens and
+    over its prompts (the larger; `evaluate_rule`'s ``recall_uncertainty``)."""
+    res = evaluate_rule(cross_layer_scores(trace), trace.experts, rule, trace.phase, trace.prompt_id)
+    return res[phase]["recall_uncertainty"]
+
+
 def predictor_table(trace: Trace, predictors: dict, phase: str = "decode") -> pd.DataFrame:
     """Recall, precision and mean set size of each named predictor (name -> `policy.predictors.Predictor`),
     replayed token by token over the trace in one phase."""

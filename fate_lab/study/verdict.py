@@ -161,6 +161,34 @@ def rate_uncertainty(rate: float, n: int) -> float:
     return 2.0 * math.sqrt(rate * (1.0 - rate) / n)
 
 
+def mean_uncertainty(samples, groups=None) -> float:
+    """Two standard errors of the mean of `samples` (one value per token, say: its cosine averaged over layers),
+    the sampling error of a mean over a short trace. Neighbouring tokens are correlated: with `groups` (one
+    label per sample, e.g. its prompt) the error is also computed from the group means, treating groups as the
+    independent units, and the larger of the two is returned. Either is a lower bound on the true error when the
+    units themselves are correlated (as `rate_uncertainty`'s is)."""
+    xs = [float(x) for x in samples]
+    if len(xs) < 2:
+        raise ValueError(f"{len(xs)} sample(s): the spread of a mean needs at least 2")
+    if not all(math.isfinite(x) for x in xs):
+        raise ValueError("samples must be finite numbers")
+
+    def two_se(v: list[float]) -> float:
+        m = sum(v) / len(v)
+        return 2.0 * math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1) / len(v))
+
+    if groups is None:
+        return two_se(xs)
+    labels = [g.item() if hasattr(g, "item") else g for g in groups]
+    if len(labels) != len(xs):
+        raise ValueError(f"{len(labels)} group labels for {len(xs)} samples")
+    by: dict = {}
+    for g, x in zip(labels, xs):
+        by.setdefault(g, []).append(x)
+    means = [sum(v) / len(v) for v in by.values()]
+    return max(two_se(xs), two_se(means)) if len(means) >= 2 else two_se(xs)
+
+
 def beats(quantity: str, ours: float, threshold: float, reference: str, unit: str = "x", spread: float | None = None,
           above: bool = True, note: str = "", structure: str = "", source: str = "paper",
           magnitude: float | None = None, margin: float = 0.0, detail: str = "") -> Claim:
@@ -267,4 +295,4 @@ def hidden_structure(values: Mapping[str, float], tolerance: float, unit: str = 
 
 
 __all__ = ["AGREES", "DISAGREES", "NOT_COMPARABLE", "VERDICTS", "Claim", "at_least", "beats", "close", "fmt",
-           "hidden_structure", "holds", "not_comparable", "outliers", "rate_uncertainty", "sig"]
+           "hidden_structure", "holds", "mean_uncertainty", "not_comparable", "outliers", "rate_uncertainty", "sig"]

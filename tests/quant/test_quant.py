@@ -206,6 +206,26 @@ def test_quality_report_orders_precisions():
     assert r8["greedy_agreement"] >= r2["greedy_agreement"]
 
 
+def test_quality_report_perplexity_change_uncertainty_against_per_position_nll():
+    import statistics
+
+    model = tiny_model("mixtral", seed=2)
+    q_model = quantize_model_experts(model, QuantSpec(2, 8))
+    batches = [torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    r = quality_report(model, q_model, batches, progress=False)
+    d = []  # per-position NLL differences, from cross_entropy (an independent path)
+    with torch.no_grad():
+        for ids in batches:
+            nll = [torch.nn.functional.cross_entropy(m(input_ids=ids).logits[:, :-1].double().flatten(0, 1),
+                                                     ids[:, 1:].flatten(), reduction="none") for m in (model, q_model)]
+            d += (nll[1] - nll[0]).tolist()
+    mean = statistics.fmean(d)
+    assert r["perplexity_q"] / r["perplexity_fp"] - 1 == pytest.approx(math.exp(mean) - 1, rel=1e-6)
+    assert r["ppl_change_uncertainty"] == pytest.approx(math.exp(mean) * 2 * statistics.stdev(d) / math.sqrt(len(d)),
+                                                        rel=1e-6)
+    assert quality_report(model, model, batches, progress=False)["ppl_change_uncertainty"] == 0.0
+
+
 def test_quantize_model_experts_policy_and_overrides():
     model = tiny_model("qwen2_moe", seed=1)
     policy = QuantPolicy(cache=QuantSpec(4, 32), miss=QuantSpec(2, 32)).with_shallow(1, None)  # layer 0 stays full

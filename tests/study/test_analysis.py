@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from fate_lab.study.analysis import adjacent_cosine, cosine_matrix, routing_flatness
+from fate_lab.study.analysis import adjacent_cosine, adjacent_cosine_per_token, cosine_matrix, routing_flatness
 
 # (N=2 tokens, L=3 layers, H=2)
 GI = torch.tensor([
@@ -22,6 +22,15 @@ def test_adjacent_cosine_by_hand():
     assert (rows[0]["cosine_prefill"], rows[0]["cosine_decode"]) == (pytest.approx(1.0), pytest.approx(s))
     assert (rows[1]["layer"], rows[1]["next_layer"]) == (1, 2)
     assert "cosine_prefill" not in adjacent_cosine(GI)[0]
+
+
+def test_adjacent_cosine_per_token_by_hand():
+    s = 1 / math.sqrt(2)
+    # token 0: pairs (0,1) 1 and (1,2) 0; token 1: 1/sqrt2 and 1/sqrt2 (as in the hand example above)
+    assert adjacent_cosine_per_token(GI).tolist() == pytest.approx([0.5, s])
+    assert adjacent_cosine_per_token(GI, pairs=[1]).tolist() == pytest.approx([0.0, s])
+    with pytest.raises(ValueError, match="pairs"):
+        adjacent_cosine_per_token(GI, pairs=[2])
 
 
 def test_cosine_matrix_by_hand():

@@ -95,3 +95,23 @@ def test_close_with_a_sampling_error_cannot_tell_at_the_tolerance_edge():
         v.rate_uncertainty(0.5, 0)
     with pytest.raises(ValueError, match="rate=1.5"):
         v.rate_uncertainty(1.5, 10)
+
+
+def test_mean_uncertainty_is_two_standard_errors_of_the_mean():
+    import statistics
+
+    xs = [0.91, 0.95, 0.97, 0.88, 0.93, 0.96]
+    assert v.mean_uncertainty(xs) == pytest.approx(2 * statistics.stdev(xs) / math.sqrt(len(xs)))
+    assert v.mean_uncertainty([1.0, 3.0]) == pytest.approx(2.0)  # hand: sd sqrt(2), / sqrt(2), x 2
+    assert v.mean_uncertainty([0.5] * 10) == 0.0
+    with pytest.raises(ValueError, match="at least 2"):
+        v.mean_uncertainty([0.5])
+    with pytest.raises(ValueError, match="finite"):
+        v.mean_uncertainty([0.5, float("nan")])
+    # two prompts whose tokens agree within a prompt but not across: the prompt means carry the error
+    ys, prompts = [0.90, 0.90, 0.90, 0.96, 0.96, 0.96], [0, 0, 0, 1, 1, 1]
+    assert v.mean_uncertainty(ys, prompts) == pytest.approx(0.06)  # hand: means 0.90, 0.96; 2 * 0.03
+    assert v.mean_uncertainty(ys, prompts) > v.mean_uncertainty(ys)
+    assert v.mean_uncertainty(xs, [0] * len(xs)) == v.mean_uncertainty(xs)  # one group: the token-level error
+    with pytest.raises(ValueError, match="group labels"):
+        v.mean_uncertainty(xs, [0, 1])
