@@ -22,22 +22,7 @@ def _true_mask(true_experts: Tensor, num_experts: int) -> Tensor:
     return m.scatter_(-1, nxt.long(), True)
 
 
-def _two_se(x: Tensor, groups: Tensor | None = None) -> float:
-    """Two standard errors of the mean of x ``[n]``; with group ids ``[n]`` (prompts) also from the group means,
-    the larger of the two (nan for fewer than 2 values)."""
-    def one(v: Tensor) -> float:
-        return float(2 * v.double().std() / v.numel() ** 0.5) if v.numel() >= 2 else float("nan")
-
-    out = one(x)
-    if groups is not None and x.numel():
-        ids = torch.as_tensor(groups).reshape(-1)
-        means = torch.stack([x[ids == g].double().mean() for g in ids.unique()])
-        if means.numel() >= 2:
-            out = max(out, one(means))
-    return out
-
-
-def _metrics(pred: Tensor, true: Tensor, sel: Tensor | None = None, groups: Tensor | None = None) -> dict:
+def _metrics(pred: Tensor, true: Tensor, sel: Tensor | None = None) -> dict:
     """Recall/precision/set size from masks ``[N, L-1, E]`` on tokens ``sel`` (bool ``[N]``)."""
     if sel is not None:
         pred, true = pred[sel], true[sel]
@@ -50,9 +35,6 @@ def _metrics(pred: Tensor, true: Tensor, sel: Tensor | None = None, groups: Tens
     def mean(x: Tensor, dim=None) -> Tensor:
         return x.mean(dim) if n else torch.full(x.shape[1:] if dim == 0 else (), float("nan"))
 
-    per_token = recall.mean(1)  # (n,) each token's recall over the layers it predicts
-    # two standard errors of the mean recall: over tokens, and over prompts when their ids are given (the larger)
-    se = _two_se(per_token, None if groups is None else groups[sel] if sel is not None else groups)
     per_layer = [
         {"layer": l + 1, "recall": float(r), "precision": float(p), "mean_set_size": float(s)}
         for l, (r, p, s) in enumerate(zip(mean(recall, 0), mean(precision, 0), mean(size, 0)))
@@ -60,35 +42,34 @@ def _metrics(pred: Tensor, true: Tensor, sel: Tensor | None = None, groups: Tens
     return {
         "tokens": n,
         "recall": float(mean(recall)),
-        "recall_uncertainty": se,
+        "per_token_recall": recall.mean(1),  # (n,) each token's recall over the layers it predicts
         "precision": float(mean(precision)),
         "mean_set_size": float(mean(size)),
         "per_layer": per_layer,
     }
 
 
-def _by_phase(pred: Tensor, true: Tensor, phase: Tensor | None, groups: Tensor | None = None) -> dict:
-    out = {"all": _metrics(pred, true, None, groups), "prefill": None, "decode": None}
+def _by_phase(pred: Tensor, true: Tensor, phase: Tensor | None) -> dict:
+    out = {"all": _metrics(pred, true), "prefill": None, "decode": None}
     if phase is not None:
         phase = torch.as_tensor(phase)
-        out["prefill"] = _metrics(pred, true, phase == 0, groups)
-        out["decode"] = _metrics(pred, true, phase == 1, groups)
+        out["prefill"] = _metrics(pred, true, phase == 0)
+        out["decode"] = _metrics(pred, true, phase == 1)
     return out
 
 
-def evaluate_rule(pred_scores: Tensor, true_experts: Tensor, rule: SelectionRule, phase: Tensor | None = None,
-                  prompt_id: Tensor | None = None) -> dict:
+def evaluate_rule(pred_scores: Tensor, true_experts: Tensor, rule: SelectionRule, phase: Tensor | None = None) -> dict:
     """Per-token prefetch recall, precision and set size of a rule on cross-layer scores.
 
     ``pred_scores [N, L-1, E]`` (row l predicts layer l+1), ``true_experts [N, L, k]``.
     Returns ``{"all", "prefill", "decode"}`` (the last two None without ``phase``), each
     ``{tokens, recall, precision, mean_set_size, per_layer: [{layer, recall, ...}]}``;
-    overall numbers are means over (token, layer) pairs; ``recall_uncertainty`` is two standard errors of the
-    mean recall over tokens (and over prompts, with ``prompt_id``: the larger), its sampling error.
+    overall numbers are means over (token, layer) pairs; ``per_token_recall [n]`` is each token's recall (its
+    spread is the mean's sampling error: `study.verdict.mean_uncertainty`).
     """
     N, Lm1, E = pred_scores.shape
     pred = rule.select(pred_scores.reshape(-1, E)).reshape(N, Lm1, E)
-    return _by_phase(pred, _true_mask(true_experts, E), phase, prompt_id)
+    return _by_phase(pred, _true_mask(true_experts, E), phase)
 
 
 def predict_trace(
@@ -143,8 +124,7 @@ def evaluate_predictor(
     if num_experts is None:
         num_experts = next_scores.shape[-1] if next_scores is not None else int(torch.as_tensor(experts).max()) + 1
     preds = predict_trace(predictor, experts, next_scores, prompt_id)
-    return _by_phase(predictions_to_mask(preds, num_experts), _true_mask(torch.as_tensor(experts), num_experts), phase,
-                     prompt_id)
+    return _by_phase(predictions_to_mask(preds, num_experts), _true_mask(torch.as_tensor(experts), num_experts), phase)
 
 
 def prefill_prediction(

@@ -30,15 +30,20 @@ def _mean_or_nan(x: Tensor) -> float:
     return float(x.mean()) if x.numel() else float("nan")
 
 
+def _adjacent_cos(gate_inputs: Tensor) -> Tensor:
+    """``[N, L-1]`` per-token cosine between the gate inputs of layers l and l+1."""
+    x = torch.nn.functional.normalize(gate_inputs.float(), dim=-1)  # (N, L, H)
+    return (x[:, :-1] * x[:, 1:]).sum(-1)
+
+
 def adjacent_cosine(gate_inputs: Tensor, phase: Tensor | None = None) -> list[dict]:
     """Mean per-token cosine between gate inputs of layers l and l+1.
 
     ``gate_inputs [N, L, H]``. Rows ``{layer, next_layer, cosine, cosine_prefill,
     cosine_decode}``; the phase columns are present only when ``phase`` is given.
     """
-    x = torch.nn.functional.normalize(gate_inputs.float(), dim=-1)  # (N, L, H)
-    cos = (x[:, :-1] * x[:, 1:]).sum(-1)  # (N, L-1)
-    masks = _phase_masks(x.shape[0], phase)
+    cos = _adjacent_cos(gate_inputs)  # (N, L-1)
+    masks = _phase_masks(cos.shape[0], phase)
     rows = []
     for l in range(cos.shape[1]):
         row = {"layer": l, "next_layer": l + 1}
@@ -52,8 +57,7 @@ def adjacent_cosine_per_token(gate_inputs: Tensor, pairs: list[int] | None = Non
     """``[N]``: each token's cosine between adjacent layers' gate inputs, averaged over the pairs (l, l+1) for l
     in ``pairs`` (all pairs by default). Its mean is `adjacent_cosine`'s mean over those pairs; its spread over
     tokens is the mean's sampling error (`verdict.mean_uncertainty`)."""
-    x = torch.nn.functional.normalize(gate_inputs.float(), dim=-1)  # (N, L, H)
-    cos = (x[:, :-1] * x[:, 1:]).sum(-1)  # (N, L-1)
+    cos = _adjacent_cos(gate_inputs)  # (N, L-1)
     if pairs is not None:
         if not pairs or min(pairs) < 0 or max(pairs) >= cos.shape[1]:
             raise ValueError(f"pairs {pairs}: give layer indices l in [0, {cos.shape[1]}) of pairs (l, l+1)")

@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 
 from fate_lab.core.config import OffloadConfig
-from fate_lab.model.trace import Trace
+from fate_lab.model.trace import DECODE, PREFILL, Trace
 from fate_lab.model.trace import cross_layer_scores as trace_scores
 from fate_lab.policy.prediction_metrics import evaluate_rule
 from fate_lab.policy.rules import SelectionRule
@@ -103,9 +103,12 @@ def rule_table(trace: Trace, rules: dict, phases=("decode", "prefill", "prefill 
 
 def recall_error(trace: Trace, rule: SelectionRule, phase: str = "decode") -> float:
     """The sampling error of a rule's mean recall in one phase: two standard errors over the phase's tokens and
-    over its prompts (the larger; `evaluate_rule`'s ``recall_uncertainty``)."""
-    res = evaluate_rule(cross_layer_scores(trace), trace.experts, rule, trace.phase, trace.prompt_id)
-    return res[phase]["recall_uncertainty"]
+    over its prompts (the larger: `verdict.mean_uncertainty` of `evaluate_rule`'s ``per_token_recall``)."""
+    from fate_lab.study.verdict import mean_uncertainty
+
+    res = evaluate_rule(cross_layer_scores(trace), trace.experts, rule, trace.phase)[phase]
+    prompts = trace.prompt_id if phase == "all" else trace.prompt_id[trace.phase == (DECODE if phase == "decode" else PREFILL)]
+    return mean_uncertainty(res["per_token_recall"].tolist(), prompts.tolist())
 
 
 def predictor_table(trace: Trace, predictors: dict, phase: str = "decode") -> pd.DataFrame:

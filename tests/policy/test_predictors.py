@@ -68,18 +68,24 @@ def test_evaluate_rule_recall_uncertainty_by_hand():
     import math
     import statistics
 
+    from fate_lab.study.verdict import mean_uncertainty
+
     true = torch.tensor([[[0, 1], [0, 1]], [[0, 1], [2, 3]], [[0, 1], [0, 1]]])  # (N=3, L=2, k=2)
     scores = torch.tensor([[[0.4, 0.1, 0.3, 0.2]], [[0.1, 0.2, 0.3, 0.4]], [[0.4, 0.3, 0.2, 0.1]]])
     r = evaluate_rule(scores, true, TopK(2))["all"]  # per-token recall 1/2, 1, 1
-    assert r["recall_uncertainty"] == pytest.approx(2 * statistics.stdev([0.5, 1.0, 1.0]) / math.sqrt(3))
+    assert r["per_token_recall"].tolist() == [0.5, 1.0, 1.0]
+    assert mean_uncertainty(r["per_token_recall"].tolist()) == pytest.approx(
+        2 * statistics.stdev([0.5, 1.0, 1.0]) / math.sqrt(3))
     # tokens 0-1 one prompt (mean 0.75), token 2 another (1.0): the prompt means' error 2 * 0.125 is smaller here
-    r = evaluate_rule(scores, true, TopK(2), prompt_id=torch.tensor([0, 0, 1]))["all"]
-    assert r["recall_uncertainty"] == pytest.approx(2 * statistics.stdev([0.5, 1.0, 1.0]) / math.sqrt(3))
+    assert mean_uncertainty(r["per_token_recall"].tolist(), [0, 0, 1]) == pytest.approx(
+        2 * statistics.stdev([0.5, 1.0, 1.0]) / math.sqrt(3))
     # tokens 0 and 2 one prompt (0.75), token 1 alone (1.0), duplicated: prompt means 0.75, 1.0 -> 0.25
-    r = evaluate_rule(scores[[0, 2, 1, 1]], true[[0, 2, 1, 1]], TopK(2), prompt_id=torch.tensor([0, 0, 1, 1]))["all"]
-    assert r["recall_uncertainty"] == pytest.approx(max(2 * statistics.stdev([0.5, 1, 1, 1]) / 2, 0.25))
+    r = evaluate_rule(scores[[0, 2, 1, 1]], true[[0, 2, 1, 1]], TopK(2))["all"]
+    assert mean_uncertainty(r["per_token_recall"].tolist(), [0, 0, 1, 1]) == pytest.approx(
+        max(2 * statistics.stdev([0.5, 1, 1, 1]) / 2, 0.25))
     one = evaluate_rule(scores[:1], true[:1], TopK(2))["all"]
-    assert math.isnan(one["recall_uncertainty"])  # one token: no spread
+    with pytest.raises(ValueError, match="at least 2"):  # one token: no spread
+        mean_uncertainty(one["per_token_recall"].tolist())
 
 
 BATCH = torch.tensor([[0.1, 0.5, 0.4, 0.0], [0.6, 0.3, 0.05, 0.05], [0.1, 0.2, 0.3, 0.4]])
