@@ -163,6 +163,28 @@ def ratio(table: pd.DataFrame, of: str, over: str, column: str = "decode tok/s")
     return float(r), float(s)
 
 
+def paired_ratio(model, input_ids: torch.Tensor, config: OffloadConfig, new_tokens: int,
+                 rounds: int) -> tuple[float, float]:
+    """`config`'s decode rate over plain generate's, from `rounds` interleaved pairs (each round times plain
+    generate, then `config` on a fresh runtime, so a slow spell of the machine hits both alike): the mean of the
+    per-round ratios and, relative to it, two standard errors of that mean (`verdict.mean_uncertainty`) -- the
+    (value, spread) pair the verdict builders take. For a comparison whose answer hangs on a few percent
+    (all experts resident against the plain model), where three rounds' half-range is too rough a spread."""
+    from fate_lab.study.clock import pinned
+    from fate_lab.study.verdict import mean_uncertainty
+
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 2:
+        raise ValueError(f"rounds={rounds!r}: give an int >= 2 (a spread needs two rounds)")
+    time_generate(model, input_ids[:, :8], 2)  # warm-up
+    ratios = []
+    for _ in range(rounds):
+        with pinned():
+            plain = time_generate(model, input_ids, new_tokens)
+        ratios.append(run_preset(model, input_ids, config, new_tokens)["row"]["decode tok/s"] / plain.decode_tok_s)
+    mean = sum(ratios) / len(ratios)
+    return mean, mean_uncertainty(ratios) / mean
+
+
 def timeline_frame(timeline: list[tuple], max_events: int | None = 400) -> pd.DataFrame:
     """Runtime timeline events as a table (kind, lane, t_start, t_end) starting at 0, for ``plots.timeline``."""
     df = pd.DataFrame(timeline, columns=["kind", "layer", "expert", "t_start", "t_end"])

@@ -38,14 +38,15 @@ class Sizes:
     lossy_prompts: int  # prompts of 08's decode comparison
     lossy_decode: int  # decode steps per such prompt
     grid_steps: int  # budgets of a cache grid or sweep (04, 09)
+    paired_rounds: int  # interleaved plain / all-resident rounds of 05's "never slower" row (bench.paired_ratio)
 
 
 SIZES = {True: Sizes(prompts=2, decode_tokens=12, prompt_chars=200, new_tokens=8, repeats=2, eval_tokens=1024,
                      decode_eval_tokens=128, runtime_prompts=1, lossy_tokens=32, lossy_prompts=1, lossy_decode=4,
-                     grid_steps=3),
+                     grid_steps=3, paired_rounds=4),
          False: Sizes(prompts=16, decode_tokens=96, prompt_chars=400, new_tokens=48, repeats=3, eval_tokens=8192,
                       decode_eval_tokens=1024, runtime_prompts=2, lossy_tokens=128, lossy_prompts=2, lossy_decode=16,
-                      grid_steps=10)}
+                      grid_steps=10, paired_rounds=10)}
 # The trace of each mode (~1.5k decode + ~1.5k prefill tokens at full size)
 TRACE_SIZES = {fast: {"prompts": s.prompts, "decode_tokens": s.decode_tokens, "prompt_chars": s.prompt_chars}
                for fast, s in SIZES.items()}

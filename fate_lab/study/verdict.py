@@ -233,14 +233,16 @@ def at_least(quantity: str, ours: float, floor: float, tolerance: float = 0.0, u
     within the run's spread); disagrees below that. `ours` may be a measured (value, spread) pair: its spread,
     relative, then widens the tolerance."""
     _check_unit(unit)
+    rel = None
     if isinstance(ours, tuple):
         ours, rel = ours
-        tolerance = max(tolerance, abs(ours * rel) if _finite(rel) and _finite(ours) else 0.0)
+        rel = abs(rel) if _finite(rel) else None
+        tolerance = max(tolerance, abs(ours * rel) if rel is not None and _finite(ours) else 0.0)
     ref_text = reference or f"target: at least {fmt(floor, unit)}"
-    ours_text = fmt(ours, unit) + (f" ({detail})" if detail else "")
+    ours_text = fmt(ours, unit) + (f" ±{rel:.0%}" if rel else "") + (f" ({detail})" if detail else "")
     if not _finite(ours):
         return Claim(quantity, ref_text, ours_text, NOT_COMPARABLE, "no number measured", "at least", None, floor,
-                     tolerance, None, unit, source)
+                     tolerance, rel, unit, source)
     band = f" (tolerance {fmt(tolerance, unit)})" if tolerance else ""
     if ours >= floor - tolerance:
         verdict, reason = AGREES, f"{fmt(ours, unit)} is at least {fmt(floor, unit)}{band}"
@@ -249,7 +251,7 @@ def at_least(quantity: str, ours: float, floor: float, tolerance: float = 0.0, u
     if note:
         reason += f" ({note})"
     return Claim(quantity, ref_text, ours_text, verdict, reason, "at least", float(ours), float(floor),
-                 float(tolerance), None, unit, source)
+                 float(tolerance), rel, unit, source)
 
 
 def holds(quantity: str, fact: bool, ours: str, reference: str = "must hold", reason: str = "",

@@ -39,6 +39,17 @@ def test_at_least_widens_its_tolerance_by_the_spread():
     assert v.at_least("resident vs plain", 0.95, 1.0, 0.0).verdict == "disagrees"
     assert v.at_least("resident vs plain", (0.95, 0.1), 1.0).verdict == "agrees"  # 5% below, spread 10%
     assert v.at_least("resident vs plain", 1.3, 1.0).reason == "1.30x is at least 1.00x"
+    paired = v.at_least("resident vs plain", (0.97, 0.02), 1.0)  # 3% below, spread 2%: below the band
+    assert paired.verdict == "disagrees" and paired.ours == "0.970x ±2%" and paired.spread == 0.02
+
+
+def test_a_claim_close_to_its_tolerance_edge_is_too_close_to_tell_within_the_measured_spread():
+    """The simulator/runtime rows: 1.11x against a +-10% target disagrees when measured exactly, and cannot be
+    told when the measured rate itself spreads by 3%."""
+    assert v.close("sim / runtime", 1.0, 1.11, 0.10, unit="x").verdict == "disagrees"
+    assert v.close("sim / runtime", 1.0, 1.11, 0.10, unit="x", uncertainty=1.11 * 0.03).verdict == "not comparable"
+    assert v.close("sim / runtime", 1.0, 1.25, 0.10, unit="x", uncertainty=1.25 * 0.03).verdict == "disagrees"
+    assert v.close("sim / runtime", 1.0, 1.02, 0.10, unit="x", uncertainty=1.02 * 0.03).verdict == "agrees"
 
 
 def test_holds_and_not_comparable():
