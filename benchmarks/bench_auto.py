@@ -3,7 +3,7 @@
 Grid (simulator, default): for each embedded model, named setup (`hardware.setups.SETUPS`, each on its own clock
 with its GPU compute profile) and cache size (10/25/50% of the experts, in slots), every named preset and the
 planner's `auto` / `auto_quant`, all scored on the EVAL split; the planner decides from the first prompts of the
-CALIBRATION split only. Targets (issue 24): auto >= 0.98x the best lossless named preset and auto_quant >= 0.98x
+CALIBRATION split only. Targets: auto >= 0.98x the best lossless named preset and auto_quant >= 0.98x
 the best quantized one in every cell, and >= 1.05x the best named preset in at least a third of the cells.
 
 Runtime (`--runtime`): the real runtime on this machine (CPU; emulated scaled links), tiny_moe, 25% and 50% of
@@ -220,14 +220,20 @@ def runtime(args) -> str:
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runtime", action="store_true", help="the runtime table instead of the simulator grid")
-    ap.add_argument("--models", nargs="+", default=list(MODELS))
-    ap.add_argument("--setups", nargs="+", default=list(GRID_SETUPS), choices=sorted(SETUPS))
+    ap.add_argument("--models", nargs="+", default=list(MODELS),
+                    help="embedded models of the simulator grid (default: tiny_moe tiny_deepseek)")
+    ap.add_argument("--setups", nargs="+", default=list(GRID_SETUPS), choices=sorted(SETUPS),
+                    help="named setups of the simulator grid, each on its own clock "
+                         "(default: RTX 3090 PCIe 3.0/4.0, laptop 4060, 1080 Ti)")
     ap.add_argument("--calib-prompts", type=int, default=6, help="calibration-split prompts the planner reads")
     ap.add_argument("--checkpoint", default="results/auto_grid.jsonl", help="finished cells (resumed from)")
-    ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--prompts", type=int, default=2,
+                    help="held-out prompts per runtime run (--runtime; default %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=32,
+                    help="greedy tokens decoded per prompt (--runtime; default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each runtime config; the median counts (--runtime; default %(default)s)")
+    ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = ap.parse_args(argv)
     Path(args.checkpoint).parent.mkdir(parents=True, exist_ok=True)
     text = runtime(args) if args.runtime else grid(args)

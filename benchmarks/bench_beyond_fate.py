@@ -1,9 +1,9 @@
-"""Beyond Fate without changing a token: every lossless idea of issue 10 next to `fate` and `lru`, in one run.
+"""Beyond Fate without changing a token: each lossless idea side by side with `fate` and `lru`, in one run.
 
 Runs `fate_lab.study.beyond.side_by_side` (the table of notebook 07) on the embedded model: each config
 generates the same held-out prompts through the real offloaded runtime over the scaled PCIe 3.0 link
 (calibrated once), with the simulator's prediction beside it, at 25% and 50% of the experts cached.
-Prints one markdown table per cache size and the issue's targets as ratios of this run.
+Prints one markdown table per cache size and the targets as ratios of this run.
 
     python -m benchmarks.bench_beyond_fate
     python -m benchmarks.bench_beyond_fate --out benchmarks/results/beyond_fate_2026-11-30.md
@@ -35,9 +35,12 @@ def configs(skip: tuple[str, ...] = ()) -> dict[str, OffloadConfig]:
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model folder (default: the embedded tiny MoE)")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--link", default="qwen15_moe_rtx3090_pcie3")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt (default %(default)s)")
+    ap.add_argument("--prompts", type=int, default=3,
+                    help="held-out prompts each config generates (default %(default)s)")
+    ap.add_argument("--link", default="qwen15_moe_rtx3090_pcie3",
+                    help="link to emulate: a setup (scaled to this machine) or a link profile, one of "
+                         "fate_lab.hardware.setups.link_names() (default %(default)s)")
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
     ap.add_argument("--skip", nargs="*", default=[], help="presets to leave out")
     args = ap.parse_args(argv)
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> str:
                   markdown(df), ""]
         print("\n".join(lines[-3:]), flush=True)
     q = tables[0.25]
-    lines += ["Targets (issue 10), runtime, decode tok/s ratios of this run:", "",
+    lines += ["Targets, runtime, decode tok/s ratios of this run:", "",
               f"- host_compute / fate at 25%: {q.loc['host_compute', 'decode tok/s'] / q.loc['fate', 'decode tok/s']:.2f}x "
               "(target >= 1.5x)",
               f"- host_compute / fate at 50%: {tables[0.5].loc['host_compute', 'decode tok/s'] / tables[0.5].loc['fate', 'decode tok/s']:.2f}x",

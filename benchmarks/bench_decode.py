@@ -69,13 +69,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="local model folder (default: the embedded data/tiny_moe)")
     p.add_argument("--links", default="qwen15_moe_rtx3090_pcie3,qwen15_moe_rtx3090_pcie4",
-                   help="comma-separated link names (fate_lab.links.link_names())")
+                   help="comma-separated link names (fate_lab.hardware.setups.link_names())")
     p.add_argument("--budgets", default="0.5,0.25", help="comma-separated fractions of all experts as cache slots")
-    p.add_argument("--presets", default=",".join(OffloadConfig.preset_names()))
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--presets", default=",".join(OffloadConfig.preset_names()),
+                   help="comma-separated offloading presets to run (default: all of OffloadConfig.preset_names())")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="length of the random prompt (default %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="runs per setting; the fastest counts")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens (default %(default)s)")
     args = p.parse_args(argv)
 
     from fate_lab.model.models import load_model

@@ -29,12 +29,15 @@ RUNTIME_POINTS = (("qwen15_moe_rtx3090_pcie3", 0.25), ("qwen15_moe_rtx3090_pcie4
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["tiny_moe", "tiny_deepseek"])
+    ap.add_argument("--models", nargs="+", default=["tiny_moe", "tiny_deepseek"],
+                    help="embedded models the simulator decomposes (default: tiny_moe tiny_deepseek)")
     ap.add_argument("--prompts", type=int, default=6, help="eval-split prompts simulated per regime")
-    ap.add_argument("--no-runtime", action="store_true")
+    ap.add_argument("--no-runtime", action="store_true", help="skip the runtime points (simulator only)")
     ap.add_argument("--no-sim", action="store_true", help="only the runtime points")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runtime runs per config; the median counts (default %(default)s)")
+    ap.add_argument("--out", default=None,
+                    help="also write the report to this markdown file (with a CSV and PNG plots beside it)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.time()

@@ -58,7 +58,7 @@ def _timed(model, ids, n) -> tuple[torch.Tensor, float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=48, help="tokens generated per run (default %(default)s)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_device needs a CUDA device (torch.cuda.is_available() is False)")

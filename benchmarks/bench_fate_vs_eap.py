@@ -60,9 +60,10 @@ def _md(df, floatfmt: str = ".3f") -> list[str]:
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["tiny_moe", "tiny_deepseek"])
+    ap.add_argument("--models", nargs="+", default=["tiny_moe", "tiny_deepseek"],
+                    help="embedded models to compare on (default: tiny_moe tiny_deepseek)")
     ap.add_argument("--prompts", type=int, default=8, help="eval-split prompts simulated in the sweep")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.time()

@@ -1,4 +1,4 @@
-"""Learned cross-layer expert predictor vs Fate's 75th-percentile rule, on held-out text (issue 10).
+"""Learned cross-layer expert predictor vs Fate's 75th-percentile rule, on held-out text.
 
 Loads the probes shipped with the embedded model (`data/tiny_moe/probes.safetensors`, made by
 `python -m fate_lab.policy.probes --fit`: trained on training-split text, thresholds tuned on the
@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--reps", type=int, default=2000, help="calls per timing block (best of 5 blocks)")
     ap.add_argument("--variants", action="store_true", help="also refit probe kinds on a smaller training trace")
     ap.add_argument("--variant-prompts", type=int, default=320, help="training prompts (prefill + decode)")
-    ap.add_argument("--variant-decode-tokens", type=int, default=48)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--variant-decode-tokens", type=int, default=48,
+                    help="greedy decode tokens per training prompt of --variants (default %(default)s)")
+    ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = ap.parse_args(argv)
     from fate_lab.study import lab
 

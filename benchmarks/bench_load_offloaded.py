@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET = 0.35  # issue 20: offloaded peak RSS under 0.35x of plain loading
+TARGET = 0.35  # target: offloaded peak RSS under 0.35x of plain loading
 SIZES = dict(hidden_size=256, intermediate_size=1024, num_local_experts=16, num_experts_per_tok=2,
              num_hidden_layers=16, vocab_size=8192, num_attention_heads=4, num_key_value_heads=2)
 TOKENS = 24

@@ -3,7 +3,7 @@
 Runs `fate_lab.study.quality.sweep_lossy` on the embedded model at 25% of the experts cached over the scaled
 PCIe 3.0 link (calibrated once): each row decodes the same held-out text token by token through the real
 runtime, so its decode tok/s and its quality (perplexity change, greedy agreement, KL to the plain model)
-come from the same steps. Prints a markdown table and the issue's targets.
+come from the same steps. Prints a markdown table and the targets.
 
     python -m benchmarks.bench_lossy --out benchmarks/results/lossy_2026-11-30.md
 """
@@ -23,8 +23,10 @@ THRESHOLDS = {"drop": [0.05, 0.1, 0.2], "substitute": [0.05, 0.1, 0.2], "commit"
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128, help="held-out text tokens decoded per config")
-    ap.add_argument("--link", default="qwen15_moe_rtx3090_pcie3")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--link", default="qwen15_moe_rtx3090_pcie3",
+                    help="link to emulate: a setup (scaled to this machine) or a link profile, one of "
+                         "fate_lab.hardware.setups.link_names() (default %(default)s)")
+    ap.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = ap.parse_args(argv)
     from fate_lab.model.models import load_model
     from fate_lab.study.beyond import markdown
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> str:
              f"Embedded model, {slots} slots (25%), link {args.link}; {args.tokens} held-out tokens decoded one by "
              "one per row (perplexity change and greedy agreement vs the plain model on them) plus 2 prompts x 16 "
              "teacher-forced decode steps.", "", markdown(df.set_index("policy")), "",
-             "Targets (issue 11): a setting with perplexity change <= 1% and agreement >= 90% decoding >= 1.3x fate:"]
+             "Targets: a setting with perplexity change <= 1% and agreement >= 90% decoding >= 1.3x fate:"]
     for kind in THRESHOLDS:
         k = ok[ok["policy"] == kind]
         best = k.loc[k["speed vs fate"].idxmax()] if len(k) else None

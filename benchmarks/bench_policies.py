@@ -129,7 +129,7 @@ def lcs_table(name, ex, E, k1: bool) -> list[str]:
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     ap.add_argument("--quick", action="store_true", help="FAST traces and a 20k-token array (a smoke run)")
     args = ap.parse_args(argv)
     t0 = time.time()

@@ -57,9 +57,10 @@ def ladder(top_k: int) -> dict[str, OffloadConfig]:
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--prompts", type=int, default=4,
+                    help="held-out prompts in the simulated trace (default %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt (default %(default)s)")
+    ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = ap.parse_args(argv)
     from fate_lab.model.corpus import heldout_prompts
     from fate_lab.model.models import load_model

@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="local HF MoE checkpoint (default: embedded data/tiny_moe)")
     p.add_argument("--random", action="store_true", help="a random qwen2_moe of the embedded model's shape")
     p.add_argument("--tokens", type=int, default=2048, help="held-out tokens for the quality table")
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=256,
+                   help="tokens per sequence of the quality table (default %(default)s)")
     p.add_argument("--speed", action="store_true", help="also time fate / fate_int8 / fate_quant in the runtime")
     p.add_argument("--new-tokens", type=int, default=32, help="decode length of the speed runs")
     args = p.parse_args(argv)

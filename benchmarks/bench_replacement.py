@@ -22,7 +22,7 @@ POLICIES = ["lru", "lfu", "arc", "lrfu", "router_ema"]
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = ap.parse_args(argv)
     from fate_lab.model.adapters import adapt
     from fate_lab.core.config import OffloadConfig

@@ -200,7 +200,7 @@ def speed_table(name, ex, phase, E, preds, n_pure) -> list[str]:
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     ap.add_argument("--quick", action="store_true", help="FAST traces and a 20k-token array (a smoke run)")
     ap.add_argument("--no-curves", action="store_true", help="skip the miss curves")
     args = ap.parse_args(argv)

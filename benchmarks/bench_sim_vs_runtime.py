@@ -4,7 +4,7 @@ For each scaled link and budget, runs the real offloaded runtime (greedy, prefil
 forwards per prompt) and `fate_lab.sim.simulate` on a trace of the same prompts, with the compute
 profile and the link calibrated ONCE at start-up and shared by every row (so no two rows run
 over different links). Prints one markdown table: measured and predicted decode tok/s, their
-ratio, stall per decode token, decode hit rate, and the targets of issue 8 (fate vs lru and
+ratio, stall per decode token, decode hit rate, and the targets (fate vs lru and
 load_on_demand; fate_quant vs lru_quant, runtime only: a quantized model routes differently
 from the trace of the plain one, so the simulator is not asked about it).
 
@@ -69,8 +69,8 @@ def run_runtime(model, prompts, cfg, new_tokens) -> dict:
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model folder (default: the embedded tiny MoE)")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt (default %(default)s)")
+    ap.add_argument("--prompts", type=int, default=2, help="held-out prompts per row (default %(default)s)")
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = ap.parse_args(argv)
     from fate_lab.study.clock import pinned
@@ -136,7 +136,7 @@ def _run(args, argv) -> str:
     within = sum(abs(d - 1) <= 0.10 for d in dec_r), sum(abs(t - 1) <= 0.10 for t in ttft_r)
     lines += ["", f"Simulator / runtime over the {len(sim_rows)} simulated rows: decode {min(dec_r):.2f}–{max(dec_r):.2f}x "
               f"({within[0]} within 10%), TTFT {min(ttft_r):.2f}–{max(ttft_r):.2f}x ({within[1]} within 10%)."]
-    lines += ["", "Targets (issue 8), runtime, ratios of decode tok/s in this run:", ""]
+    lines += ["", "Targets, runtime, ratios of decode tok/s in this run:", ""]
     for link_name in LINKS:
         for share in (0.5, 0.25):
             g = lambda n: ratios[link_name, share, n]  # noqa: E731

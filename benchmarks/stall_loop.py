@@ -1,9 +1,9 @@
 """The stall loop: every numbered notebook run again and again in FAST mode with a tight per-cell limit.
 
-A stall (the failure issue 19 describes) is a cell whose reply the kernel sent but the client never saw: the
-cell then lasts exactly the per-cell limit with the kernel idle. Here a run counts as stalled when a cell
-raises `NotebookCellTimeout` or lasts at least 95% of the limit; every other cell's duration is kept, so the
-table shows how far below the limit the slowest cell stayed.
+A stall is a cell whose reply the kernel sent but the client never saw: the cell then lasts exactly the
+per-cell limit with the kernel idle. Here a run counts as stalled when a cell raises `NotebookCellTimeout` or
+lasts at least 95% of the limit; every other cell's duration is kept, so the table shows how far below the
+limit the slowest cell stayed.
 
     python -m benchmarks.stall_loop --rounds 20 --limit 120 --out benchmarks/results/stall_loop_$(date +%F).md
 """
@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20, help="runs of every notebook")
     ap.add_argument("--limit", type=int, default=120, help="per-cell limit in seconds (FAST cells take well under it)")
-    ap.add_argument("--models", nargs="+", default=["tiny_moe"])
+    ap.add_argument("--models", nargs="+", default=["tiny_moe"],
+                    help="embedded models each notebook runs with (default: tiny_moe)")
     ap.add_argument("--notebooks", nargs="+", default=None, help="two-digit prefixes (default: all)")
     ap.add_argument("--out", default=None, help="markdown file to write")
     args = ap.parse_args(argv)

@@ -118,7 +118,8 @@ def heldout(source: str, title: str) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debs", type=Path, required=True, help="folder to download the .deb files into")
-    ap.add_argument("--out", type=Path, default=Path("data/corpus"))
+    ap.add_argument("--out", type=Path, default=Path("data/corpus"),
+                    help="folder to write corpus.jsonl.xz into (default %(default)s)")
     args = ap.parse_args()
     args.debs.mkdir(parents=True, exist_ok=True)
     if not list(args.debs.glob("*.deb")):
