@@ -18,10 +18,8 @@ first proposals); every later one is a decode step (plain: one token; assisted: 
 cache back to the accepted tokens after each verify step).
 
 Also here: ``draft_matches`` (which proposals a draft would get accepted along a recorded greedy
-trace, the exact input of ``sim.speculative``), ``window_table`` / ``roofline_table`` and the
-one-call ``window_explorer`` widget that reruns the simulator for a chosen window:
-
-    window_explorer(trace, config, hardware, shape, matches=draft_matches(draft, trace))
+trace, the exact input of ``sim.speculative``) and ``window_table`` / ``roofline_table`` (what the
+window explorer of ``fate_lab.study.widgets`` shows for a chosen window).
 What it is not: the simulator (``fate_lab.sim.speculative``), the runtime, or the draft's trainer
 (``fate_lab.model.draft``).
 """
@@ -317,40 +315,6 @@ def roofline_table(trace: Trace, config: OffloadConfig, hardware: Hardware, shap
     best, rows = pick_window(union_sizes(trace, max_window + 1), shape, hardware, p, hit,
                              range(0, max_window + 1), draft_token_s)
     return best, pd.DataFrame(rows)
-
-
-def window_explorer(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: ModelShape,
-                    matches: torch.Tensor | None = None, acceptance: float | None = None,
-                    draft_token_s: float = 0.0, max_window: int = 8):
-    """Slider (window) -> the simulator's plain vs assisted table for that window (`window_table`).
-
-    The returned box's ``rendered`` dict holds the last table drawn (``window``, ``table``), so it
-    can be checked without a browser; errors while redrawing show in the output area.
-    """
-    import ipywidgets as W
-    from IPython.display import display
-
-    window = W.IntSlider(value=min(4, max_window), min=1, max=max_window, description="window",
-                         continuous_update=False)
-    out = W.Output()
-    box = W.VBox([window, out])
-    box.rendered = {}
-
-    def _draw(*_):
-        with out:
-            out.clear_output(wait=True)
-            try:
-                df = window_table(trace, config, hardware, shape, window.value, matches, acceptance, draft_token_s)
-            except Exception as exc:  # shown to the reader, not swallowed
-                print(f"could not simulate window {window.value}: {exc}")
-                return
-            box.rendered = {"window": window.value, "table": df}
-            display(df[["window", "acceptance", "verify_forwards", "moved_per_token", "moved_ratio", "hit_rate",
-                        "decode_tok_s", "tok_s_ratio"]])
-
-    window.observe(_draw, names="value")
-    _draw()
-    return box
 
 
 def measure_card_acceptance(out_dir, target_dir=None, prompts: int = 8, new_tokens: int = 48,

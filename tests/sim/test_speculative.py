@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 
+import pandas as pd
 import pytest
 import torch
 from helpers import embedded_models, prompt_ids
@@ -40,9 +41,9 @@ from fate_lab.study.speculative import (
     generate_logged,
     roofline_table,
     speculative_decode,
-    window_explorer,
     window_table,
 )
+from fate_lab.study.widgets import window_explorer
 
 NEW = 16
 
@@ -287,6 +288,7 @@ def test_window_table_and_explorer_without_a_browser(recorded):
     assert box.rendered["window"] == 4 and len(box.rendered["table"]) == 2
     box.children[0].value = 2
     assert box.rendered["window"] == 2
+    pd.testing.assert_frame_equal(box.rendered["table"], window_table(trace, cfg, hw, shape, 2, matches=matches))
 
 
 # --- the draft ------------------------------------------------------------------------------------------

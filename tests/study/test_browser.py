@@ -24,7 +24,7 @@ playwright = pytest.importorskip("playwright.sync_api", reason="playwright is no
 
 RUN_S = 600  # longest wait for one notebook's cells in FAST mode (05 times every preset; a loaded 2-core machine)
 NOTEBOOKS = ("03_prefetch_accuracy.ipynb", "04_shallow_favoring_cache.ipynb", "05_end_to_end_decode.ipynb",
-             "08_quality_for_speed.ipynb", "09_size_your_deployment.ipynb")
+             "07_beyond_fate.ipynb", "08_quality_for_speed.ipynb", "09_size_your_deployment.ipynb")
 
 
 def _free_port() -> int:
@@ -250,6 +250,50 @@ def test_decode_explorer_shows_the_run_and_the_prediction_a_direct_call_gives(la
     assert f"{slots} of" in after
     assert [row[1] for row in shown] == predicted  # the prediction shown == a direct call of the simulator
     assert [row[0] for row in shown] == measured  # the measurement shown == what the decode returned
+    page.close()
+
+
+def test_host_and_window_explorers_match_a_direct_call(lab_url, browser):
+    page = _open_and_run(browser, lab_url, "07_beyond_fate.ipynb")
+    marker = "cache slots; simulated on"
+    before = _widget_output(page, marker)
+    _show_cell(page, "widgets.host_explorer(")
+    select = page.get_by_label("host CPU", exact=True)
+    select.scroll_into_view_if_needed()
+    hosts = select.evaluate("(s) => [...s.options].map(o => o.value)")
+    other = next(h for h in hosts if h != select.input_value())
+    select.select_option(value=other)
+    moved = _wait_changed(page, marker, before)
+    _set_readout(page, "host speed", "4")
+    after = _wait_changed(page, marker, moved)
+    assert " x 4;" in after
+    shown = _widget_table(page, marker)
+    n = _prompt_of(page, "widgets.host_explorer(")
+    direct = _run_check(page, (
+        f"box = Out[{n}]; import json; from fate_lab.study import show, tables; "
+        "p, s = box.children[0].value, box.children[1].value; "
+        "df = tables.host_table(trace, shape, real, slots, p, s); "
+        "print('CHECK' + json.dumps([p, s, show.readable(df).text.values.tolist()]))"))
+    host, speed, table = direct
+    assert host == other and speed == pytest.approx(4.0)
+    assert shown == table  # what the widget shows == a direct call of tables.host_table
+    # the speculative window explorer of the same notebook
+    marker = "simulated, window 0 = plain decoding"
+    before = _widget_output(page, marker)
+    _show_cell(page, "widgets.window_explorer(")
+    _set_readout(page, "window (draft tokens", "2")
+    _wait_changed(page, marker, before)
+    shown = _widget_table(page, marker)
+    n = _prompt_of(page, "widgets.window_explorer(")
+    direct = _run_check(page, (
+        f"box = Out[{n}]; import json; from fate_lab.study import show, speculative; w = box.children[0].value; "
+        "df = speculative.window_table(trace, OffloadConfig.preset('fate', slots=slots), real, shape, w, matches); "
+        "cols = ['window', 'acceptance', 'verify_forwards', 'moved_per_token', 'moved_ratio', 'hit_rate', "
+        "'decode_tok_s', 'tok_s_ratio']; "
+        "print('WINDOWCHECK' + json.dumps([w, show.readable(df[cols].set_index('window')).text.values.tolist()]))"),
+        marker="WINDOWCHECK")  # another marker than the first check's, whose output is already there
+    window, table = direct
+    assert window == 2 and shown == table  # == a direct call of speculative.window_table
     page.close()
 
 

@@ -1,9 +1,11 @@
-"""Explorers of runs: a real offloaded decode (notebook 05), host compute (07), a lossy rule's threshold (08).
+"""Explorers of runs: a real offloaded decode (notebook 05), host compute and speculative windows (07), a lossy
+rule's threshold (08).
 
 What it is: `decode_explorer` (each setting decodes for real, the simulator's prediction of the same prompt,
-budget and link beside it), `decode_config` (the config its sliders name), `host_explorer` and
-`threshold_explorer` (which offers only the thresholds whose quality was measured). Every number comes from
-`fate_lab.study.tables`; each returned box keeps what it drew last in ``box.rendered``.
+budget and link beside it), `decode_config` (the config its sliders name), `host_explorer`, `window_explorer`
+and `threshold_explorer` (which offers only the thresholds whose quality was measured). Every number comes from
+`fate_lab.study.tables` or `speculative.window_table`; each returned box keeps what it drew last in
+``box.rendered``.
 What it is not: a place for tables or metrics.
 """
 from __future__ import annotations
@@ -96,6 +98,38 @@ def host_explorer(trace: Trace, shape, hardware, slots: int):
 
     profile.observe(_draw, names="value")
     speed.observe(_draw, names="value")
+    _draw()
+    return box
+
+
+def window_explorer(trace: Trace, config: OffloadConfig, hardware, shape, matches=None,
+                    acceptance: float | None = None, draft_token_s: float = 0.0, max_window: int = 8):
+    """Slider (speculative window) -> the simulator's plain vs assisted table for that window
+    (`speculative.window_table`, from the draft's `matches` along `trace` or a fixed `acceptance`)."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    from fate_lab.study import show, speculative
+    from fate_lab.study.widgets import layout
+
+    window = layout.slider("int", "window (draft tokens per verify)", value=min(4, max_window), min=1,
+                           max=max_window)
+    out = W.Output()
+    box = W.VBox([window, out], layout=W.Layout(width="100%"))
+    box.rendered = {}
+
+    def _draw(*_):
+        with out:
+            out.clear_output(wait=True)
+            df = speculative.window_table(trace, config, hardware, shape, window.value, matches, acceptance,
+                                          draft_token_s)
+            box.rendered = {"window": window.value, "table": df}
+            display(show.readable(df[["window", "acceptance", "verify_forwards", "moved_per_token", "moved_ratio",
+                                      "hit_rate", "decode_tok_s", "tok_s_ratio"]].set_index("window"),
+                                  caption=f"simulated, window 0 = plain decoding; {config.name}, {config.slots} "
+                                          f"cache slots; {whatif.describe(hardware)}"))
+
+    window.observe(_draw, names="value")
     _draw()
     return box
 
