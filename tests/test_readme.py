@@ -54,7 +54,7 @@ def _snippet(heading: str) -> str:
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
 
 
-@pytest.mark.parametrize("heading", ["One cache, three drivers", "The offloaded runtime in five lines"])
+@pytest.mark.parametrize("heading", ["One cache, three drivers", "Traces from other tools", "The offloaded runtime in five lines"])
 def test_snippet_runs(heading, capsys):
     exec(compile(_snippet(heading), f"README: {heading}", "exec"), {})
     assert capsys.readouterr().out.strip()  # it printed what it says it prints
