@@ -6,7 +6,7 @@ generates the same held-out prompts through the real offloaded runtime over the 
 Prints one markdown table per cache size and the targets as ratios of this run.
 
     python -m benchmarks.bench_beyond_fate
-    python -m benchmarks.bench_beyond_fate --out benchmarks/results/beyond_fate_2026-11-30.md
+    python -m benchmarks.bench_beyond_fate --out benchmarks/results/beyond_fate_$(date +%F).md
 """
 from __future__ import annotations
 

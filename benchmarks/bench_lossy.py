@@ -5,7 +5,7 @@ PCIe 3.0 link (calibrated once): each row decodes the same held-out text token b
 runtime, so its decode tok/s and its quality (perplexity change, greedy agreement, KL to the plain model)
 come from the same steps. Prints a markdown table and the targets.
 
-    python -m benchmarks.bench_lossy --out benchmarks/results/lossy_2026-11-30.md
+    python -m benchmarks.bench_lossy --out benchmarks/results/lossy_$(date +%F).md
 """
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ HUMAN = {
     "moved_ratio": "experts moved vs plain", "decode_tok_s": "decode tok/s", "tok_s_ratio": "speed vs plain",
     "tokens_per_forward": "tokens per forward", "stall_ms_per_token": "stall (ms/token)",
 }
-_PERCENT_WORDS = ("hit rate", "recall", "precision", "agreement", "share", "accuracy", "greedy prefix")
+_PERCENT_WORDS = ("hit rate", "recall", "precision", "agreement", "share", "accuracy", "greedy prefix", "acceptance")
 _SIGNED_PERCENT_WORDS = ("perplexity change", "ppl change")
 _BYTES_WORDS = ("bytes",)
 

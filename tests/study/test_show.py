@@ -11,6 +11,7 @@ def test_cells_by_column_kind():
     assert show.column_kind("MiB moved per token") == "number"
     assert show.column_kind("set size (probes, equal recall)") == "number"  # a size, not a rate
     assert show.column_kind("host calls per token") == "number"
+    assert show.column_kind("acceptance") == "percent"  # a speculative draft's accepted share, as 07 prints it
     assert (show.cell(0.5, "percent"), show.cell(0.0188, "signed percent"), show.cell(393216, "bytes")) == \
         ("50.0%", "+1.88%", "384 KiB")
     assert (show.cell(float("nan")), show.cell(None), show.cell(True), show.cell([8, 8, 0])) == ("—", "—", "yes", "8 8 0")
