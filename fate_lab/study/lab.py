@@ -186,14 +186,17 @@ class PaperTable(pd.DataFrame):
 def paper_table(claims: list, fast: bool | None = None, drift=None) -> PaperTable:
     """The closing table of a notebook from its claims (`fate_lab.study.verdict`); the verdict column is each
     claim's computed verdict. ``drift`` (a `clock.Drift`, for notebooks that time things) adds the machine's
-    speed check as a last row. The mode and the clock travel with the claims to the main job."""
-    from fate_lab.study.verdict import Claim
+    speed check as a last row; when the machine drifted, the ``clocked`` claims (`verdict.drifted`) are not
+    comparable. The mode and the clock travel with the claims to the main job."""
+    from fate_lab.study.verdict import Claim, drifted
 
     bad = [c for c in claims if not isinstance(c, Claim)]
     if bad:
         raise TypeError(f"paper_table takes verdict.Claim rows (verdict.close, beats, holds, not_comparable), got "
                         f"{type(bad[0]).__name__}")
-    claims = list(claims) + ([drift.claim()] if drift is not None else [])
+    claims = list(claims)
+    if drift is not None:  # a drifted machine leaves the rows judged against its calibration undecided
+        claims = (drifted(claims, drift.change) if drift.drifted else claims) + [drift.claim()]
     t = PaperTable([(c.quantity, c.reference, c.ours, c.verdict, c.why) for c in claims], columns=PAPER_COLUMNS)
     t.claims = claims
     t.meta = {"fast": fast, **({} if drift is None else {"clock": drift.describe(), "drifted": drift.drifted})}

@@ -84,6 +84,8 @@ class Claim:
     unit: str = ""
     source: str = "paper"  # "paper": the paper's number; "target": our own expectation (the paper gives none)
     structure: str = ""  # where a mean hides structure ("" when it hides none)
+    clocked: bool = False  # judged against the run's one calibration of this machine (simulator vs runtime):
+    # undecided when the machine's speed drifted during the run (`drifted`)
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -121,17 +123,20 @@ def _finite(x) -> bool:
 
 def close(quantity: str, paper: float, ours: float, tolerance: float, unit: str = "%", reference: str | None = None,
           note: str = "", structure: str = "", source: str = "paper", detail: str = "",
-          uncertainty: float = 0.0) -> Claim:
+          uncertainty: float = 0.0, clocked: bool = False) -> Claim:
     """Agrees when |ours - paper| <= tolerance (in the values' own scale: 0.05 is 5 points for a '%' unit; for
     'pts' both values are in points). `detail` follows our number in parentheses (which preset, which layer).
     `uncertainty`: the half-width of our number's own sampling error (e.g. `rate_uncertainty`); where the
-    tolerance's edge lies inside ours +- uncertainty the run cannot tell: not comparable, saying so."""
+    tolerance's edge lies inside ours +- uncertainty the run cannot tell: not comparable, saying so.
+    `clocked`: the comparison rests on the run's calibration of this machine (a prediction against a measurement):
+    `drifted` leaves it undecided when the machine's speed changed meanwhile."""
     _check_unit(unit)
     ref_text = reference or fmt(paper, unit)
     ours_text = fmt(ours, unit) + (f" ({detail})" if detail else "")
     if not (_finite(ours) and _finite(paper)):
         return Claim(quantity, ref_text, ours_text, NOT_COMPARABLE, "no number measured" if not _finite(ours)
-                     else "no reference number", "close", None, None, tolerance, None, unit, source, structure)
+                     else "no reference number", "close", None, None, tolerance, None, unit, source, structure,
+                     clocked)
     tol_text = (f"±{100 * tolerance:g} points" if unit == "%" else f"±{tolerance:g} points" if unit == "pts"
                 else f"±{tolerance / abs(paper):.0%}" if unit == "x" and paper else f"±{fmt(tolerance, unit)}")
     named = ref_text if source == "paper" else fmt(paper, unit)
@@ -148,7 +153,7 @@ def close(quantity: str, paper: float, ours: float, tolerance: float, unit: str 
     if note:
         reason += f" ({note})"
     return Claim(quantity, ref_text, ours_text, verdict, reason, "close", float(ours), float(paper),
-                 float(tolerance), None, unit, source, structure)
+                 float(tolerance), None, unit, source, structure, clocked)
 
 
 def rate_uncertainty(rate: float, n: int) -> float:
@@ -270,6 +275,18 @@ def not_comparable(quantity: str, reference: str, ours: str, reason: str, source
     return Claim(quantity, reference, ours, NOT_COMPARABLE, reason, "not comparable", source=source)
 
 
+def drifted(claims: list[Claim], change: float) -> list[Claim]:
+    """`claims` with every `clocked` one made not comparable, saying why: the machine's speed changed by `change`
+    (relative, `clock.Drift.change`) between the calibration the prediction used and the end of the measurement,
+    so prediction and measurement describe two machines. The others are returned as they are."""
+    if not _finite(change):
+        raise ValueError(f"change={change!r}: give the drift's relative change of the layer time")
+    why = (f"the machine's speed drifted ({change:+.0%} layer time) between the calibration and the end of the "
+           "run: prediction and measurement describe two machines")
+    return [dataclasses.replace(c, verdict=NOT_COMPARABLE, reason=f"{why} (else: {c.verdict}, {c.reason})")
+            if c.clocked else c for c in claims]
+
+
 def outliers(values: Mapping[str, float], tolerance: float) -> dict[str, float]:
     """The items of `values` (label -> value) farther than `tolerance` from the median of the others; none when
     fewer than three values, or when more than half would be 'outliers' (then there is no typical value)."""
@@ -296,5 +313,5 @@ def hidden_structure(values: Mapping[str, float], tolerance: float, unit: str = 
     return f"{what} hides " + ", ".join(f"{k} at {fmt(v, unit)}" for k, v in out.items()) + f" (the others {others})"
 
 
-__all__ = ["AGREES", "DISAGREES", "NOT_COMPARABLE", "VERDICTS", "Claim", "at_least", "beats", "close", "fmt",
+__all__ = ["AGREES", "DISAGREES", "NOT_COMPARABLE", "VERDICTS", "Claim", "at_least", "beats", "close", "drifted", "fmt",
            "hidden_structure", "holds", "mean_uncertainty", "not_comparable", "outliers", "rate_uncertainty", "sig"]

@@ -126,3 +126,23 @@ def test_mean_uncertainty_is_two_standard_errors_of_the_mean():
     assert v.mean_uncertainty(xs, [0] * len(xs)) == v.mean_uncertainty(xs)  # one group: the token-level error
     with pytest.raises(ValueError, match="group labels"):
         v.mean_uncertainty(xs, [0, 1])
+
+
+def test_a_drifted_machine_leaves_the_rows_judged_against_its_calibration_undecided():
+    """A prediction calibrated at 1.0 ms per layer against a run that ended at 1.4 ms: the simulator/runtime row
+    cannot be judged; a measured speed-up (both sides timed on the same machine) keeps its verdict."""
+    from fate_lab.study import lab
+    from fate_lab.study.clock import Clock, Drift
+
+    sim = v.close("simulator / runtime", 1.0, 1.25, 0.10, unit="x", clocked=True)
+    speedup = v.beats("fate over load-on-demand", 2.0, 1.0, "up to 4.1x")
+    assert sim.verdict == "disagrees"
+    held = Drift(Clock("m", 1e-3, (1e-3,) * 3, 1), Clock("m", 1.05e-3, (1.05e-3,) * 3, 1))
+    assert [c.verdict for c in lab.paper_table([sim, speedup], drift=held).claims] == ["disagrees", "agrees", "agrees"]
+    moved = Drift(Clock("m", 1e-3, (1e-3,) * 3, 1), Clock("m", 1.4e-3, (1.4e-3,) * 3, 1))
+    table = lab.paper_table([sim, speedup], drift=moved)
+    assert [c.verdict for c in table.claims] == ["not comparable", "agrees", "disagrees"]  # the last: the drift row
+    assert "+40% layer time" in table.claims[0].reason and "else: disagrees" in table.claims[0].reason
+    assert v.Claim.from_dict(table.claims[0].as_dict()) == table.claims[0]
+    with pytest.raises(ValueError, match="change"):
+        v.drifted([sim], float("nan"))
