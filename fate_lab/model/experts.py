@@ -194,7 +194,7 @@ def combine_experts(
     for e in top_k_index.unique().tolist():
         if not 0 <= e < layout.num_experts:
             continue
-        tok, pos = torch.where(top_k_index == e)  # (n,), (n,)
+        pos, tok = torch.where(top_k_index.T == e)  # (n,), (n,) position-major, the eager forward's row order
         y = expert_apply(mod, hidden[tok], weights_of(e))  # (n, H)
         if layout.compute_fp32:
             y = y * top_k_weights[tok, pos, None].float()  # (n, H)

@@ -53,7 +53,8 @@ class ExpertsCall:
         if self.T == 1 and self.flat.count(e) == 1:  # decode: expert e sits at one position k of the single token
             k = self.flat.index(e)
             return None, self.x, self.w[0:1, k:k + 1]  # (1, H), (1, 1)
-        tok, pos = torch.where(self.idx == e)  # (n,), (n,)
+        pos, tok = torch.where(self.idx.T == e)  # (n,), (n,) position-major: the eager forward's row order, so its
+        # matmul sees the same rows in the same order (some BLAS kernels round a row by where it sits in the batch)
         return tok, self.x[tok], self.w[tok, pos, None]  # (n,), (n, H), (n, 1)
 
     def _weigh(self, e: int, tok: torch.Tensor | None, y: torch.Tensor, w: torch.Tensor) -> None:
