@@ -297,6 +297,11 @@ def decode_point(model, input_ids, config: OffloadConfig, new_tokens: int = 16) 
     return run_preset(model, input_ids, config, new_tokens)["row"]
 
 
+def ratio_where_defined(predicted: pd.Series, measured: pd.Series) -> pd.Series:
+    """predicted / measured, NaN ("—") where the measurement is 0: a run with no stall has no stall ratio."""
+    return predicted / measured.where(measured != 0)
+
+
 MEASURED_KEYS = ("decode tok/s", "TTFT (ms)", "decode hit rate", "prefill hit rate", "stall (ms/token)",
                  "experts moved per token")
 
@@ -316,7 +321,7 @@ def measured_and_predicted(model, input_ids, trace: Trace, config: OffloadConfig
     predicted = simulated_speed(trace, config, hardware, shape)
     df = pd.DataFrame({"measured (runtime)": {k: measured[k] for k in MEASURED_KEYS},
                        "predicted (simulator)": {k: predicted[k] for k in MEASURED_KEYS}})
-    df["predicted / measured"] = df["predicted (simulator)"] / df["measured (runtime)"]
+    df["predicted / measured"] = ratio_where_defined(df["predicted (simulator)"], df["measured (runtime)"])
     df.index.name = "quantity"
     return df
 

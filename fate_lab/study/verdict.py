@@ -48,6 +48,8 @@ def sig(x: float, digits: int = 3) -> str:
         return "0"
     if isinstance(x, bool):
         return str(x)
+    if math.isinf(x):
+        return "∞" if x > 0 else "−∞"
     if abs(x) < 1e-3:
         return f"{x:.{digits - 1}e}"
     mag = math.floor(math.log10(abs(x)))

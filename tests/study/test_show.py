@@ -42,3 +42,14 @@ def test_a_wide_table_is_split_and_every_part_fits():
         assert px <= show.MAX_WIDTH_PX
     narrow = show.readable(wide.iloc[:, :2])
     assert len(narrow.parts) == 1
+
+
+def test_a_ratio_over_a_zero_measurement_is_undefined_not_infinite():
+    # 05's decode explorer: a real run with no stall (0 ms/token) next to a predicted stall has no ratio
+    from fate_lab.study.tables import ratio_where_defined
+
+    pred = pd.Series({"decode tok/s": 30.0, "stall (ms/token)": 1.5, "TTFT (ms)": 0.0})
+    meas = pd.Series({"decode tok/s": 25.0, "stall (ms/token)": 0.0, "TTFT (ms)": 0.0})
+    r = ratio_where_defined(pred, meas)
+    assert r["decode tok/s"] == 1.2 and pd.isna(r["stall (ms/token)"]) and pd.isna(r["TTFT (ms)"])
+    assert show.cell(r["stall (ms/token)"]) == "—" and show.cell(float("inf")) == "∞"

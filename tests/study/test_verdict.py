@@ -82,7 +82,7 @@ def test_claims_round_trip_as_data_and_refuse_unknown_fields():
 
 @pytest.mark.parametrize("x, text", [(12345, "12,300"), (0.001234, "0.00123"), (99.08, "99.1"), (1.5, "1.50"),
                                      (5265.2, "5,270"), (0, "0"), (8e-13, "8.00e-13"), (float("nan"), "—"),
-                                     (-0.5, "-0.500")])
+                                     (-0.5, "-0.500"), (float("inf"), "∞"), (-float("inf"), "−∞")])
 def test_three_significant_digits(x, text):
     assert v.sig(x) == text
 
