@@ -160,6 +160,14 @@ def _widget_table(page, marker: str) -> list[list[str]]:
                         ".map(d => d.textContent.trim())); }")
 
 
+def _dropdown(page, cell: str, label: str):
+    """The dropdown labelled `label` of the explorer in the code cell containing `cell`, scrolled into view."""
+    _show_cell(page, cell)
+    select = page.get_by_label(label, exact=True)
+    select.scroll_into_view_if_needed()
+    return select
+
+
 def _set_readout(page, slider_label: str, value: str) -> None:
     """Type a value into a slider's readout, as a reader would."""
     slider = page.locator(".widget-slider", has_text=slider_label).first
@@ -257,9 +265,7 @@ def test_host_and_window_explorers_match_a_direct_call(lab_url, browser):
     page = _open_and_run(browser, lab_url, "07_beyond_fate.ipynb")
     marker = "cache slots; simulated on"
     before = _widget_output(page, marker)
-    _show_cell(page, "widgets.host_explorer(")
-    select = page.get_by_label("host CPU", exact=True)
-    select.scroll_into_view_if_needed()
+    select = _dropdown(page, "widgets.host_explorer(", "host CPU")
     hosts = select.evaluate("(s) => [...s.options].map(o => o.value)")
     other = next(h for h in hosts if h != select.input_value())
     select.select_option(value=other)
@@ -301,9 +307,7 @@ def test_threshold_explorer_pairs_a_measured_threshold_with_its_simulated_speed(
     page = _open_and_run(browser, lab_url, "08_quality_for_speed.ipynb")
     marker = "quality measured in the runtime"
     before = _widget_output(page, marker)
-    _show_cell(page, "widgets.threshold_explorer(")
-    select = page.get_by_label("lossy rule", exact=True)
-    select.scroll_into_view_if_needed()
+    select = _dropdown(page, "widgets.threshold_explorer(", "lossy rule")
     options = select.evaluate("(s) => [...s.options].map(o => o.textContent)")
     assert len(options) >= 2
     select.select_option(label=options[1])
@@ -327,9 +331,7 @@ def test_plan_explorer_follows_the_device_and_matches_a_direct_plan(lab_url, bro
     page = _open_and_run(browser, lab_url, "09_size_your_deployment.ipynb")
     marker = "predicted per preset (best"
     before = _widget_output(page, marker)
-    _show_cell(page, "widgets.plan_explorer(")
-    select = page.get_by_label("device", exact=True)
-    select.scroll_into_view_if_needed()
+    select = _dropdown(page, "widgets.plan_explorer(", "device")
     select.select_option(value="rtx4090")
     after = _wait_changed(page, marker, before)
     assert "on rtx4090" in after
