@@ -8,7 +8,7 @@ load) -> link-sized prefetch -> admitted on use (`fate`), plus the two-mechanism
 compute profiles: the estimated RTX 3090 one (a GPU: no CPU-emulation costs) and this machine's,
 calibrated from the runtime. Speed is reported relative to uniform LRU in the same cell.
 
-    python -m benchmarks.bench_prefetch_variants --out benchmarks/results/prefetch_variants.md
+    python -m benchmarks.bench_prefetch_variants --out benchmarks/results/prefetch_variants_$(date +%F).md
 """
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ Two views on the embedded model's held-out traces (calib split to choose a param
 report): (1) the replay of the cache alone (no prefetch), uniform slots; (2) the timed simulator running
 `fate`'s whole pipeline (cross-layer prefetch, admit on use) on the RTX 3090 + PCIe 3.0 setup with
 only the replacement policy changed. Belady is the offline bound (it knows each layer's future) and
-exists only in the replay.
+exists only in the replay. A last table sweeps router_ema's `decay` in the calib replay (how its default was chosen).
 
-    python -m benchmarks.bench_replacement --out benchmarks/results/replacement_2026-11-30.md
+    python -m benchmarks.bench_replacement --out benchmarks/results/replacement_$(date +%F).md
 """
 from __future__ import annotations
 
@@ -62,6 +62,17 @@ def main(argv: list[str] | None = None) -> str:
                 f"{sh[p]:.3f} ({sims[p].decode_tok_s:.0f})" for p in POLICIES) + f" | — | {best} "
                 f"{100 * (sh[best] - sh['arc']):+.1f} pts | — |")
             print("\n".join(lines[-2:]), flush=True)
+    decays = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+    trace = get_trace(split="calib")
+    lines += ["", "router_ema's `decay` (calib split, replay, decode hit rate; the default is 0.9):", "",
+              "| cached | " + " | ".join(f"decay {d:g}" for d in decays) + " | best |", "|---|" + "---|" * (len(decays) + 1)]
+    for share in (0.25, 0.5):
+        slots = int(total * share) // shape.num_moe_layers
+        hit = {d: replay(trace, slots_per_layer=slots, policy="router_ema", policy_kw={"decay": d}).hit_rate("decode")
+               for d in decays}
+        lines.append(f"| {share:.0%} | " + " | ".join(f"{hit[d]:.3f}" for d in decays)
+                     + f" | {max(decays, key=hit.get):g} |")
+        print(lines[-1], flush=True)
     lines.append(f"\nWall time {time.time() - t0:.0f} s.")
     return emit(lines, args.out)
 
