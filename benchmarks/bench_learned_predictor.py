@@ -8,7 +8,7 @@ recall (threshold per phase, and per layer); the host time per layer for one dec
 baselines show where the gain comes from: the same threshold rule on Fate's own router scores, and
 (with --variants) other probe kinds and sizes refitted on one smaller training trace.
 
-    python -m benchmarks.bench_learned_predictor --variants --out benchmarks/results/learned_predictor_2026-11-30.md
+    python -m benchmarks.bench_learned_predictor --variants --out benchmarks/results/learned_predictor_$(date +%F).md
 
 Run it with OMP_NUM_THREADS=1 on a shared 2-core machine (torch's threads then do not fight).
 """

@@ -7,15 +7,15 @@ one-hidden-layer MLP per layer), the thresholds tuned on a calibration trace so 
 against `Percentile(75)` on held-out text, host time included. The command line is
 `python -m fate_lab fit-probes --model DIR` (`fate_lab/cli.py`).
 
-Which probe (benchmarks/results/learned_predictor_2026-11-30.md, embedded model, held-out text):
-at the percentile rule's recall, and on the same 43k training tokens, one-vs-rest L2 logistic
-regression (`hidden=0`: 224 exact Newton fits, one linear map) predicts ~0.70x (prefill) / ~0.58x
+Which probe (benchmarks/results/learned_predictor_2026-12-03.md, embedded tiny_moe, held-out text):
+at the percentile rule's recall, and on the same 45k training tokens, one-vs-rest L2 logistic
+regression (`hidden=0`: 224 exact Newton fits, one linear map) predicts ~0.65x (prefill) / ~0.51x
 (decode) of the rule's set size; a one-hidden-layer ReLU MLP with logistic outputs (sklearn
-`MLPClassifier`, one multi-label fit per layer, also faster to fit) ~0.64x / ~0.53x at width 192;
-more prefill text (the fit default, 266k tokens) brings the shipped probes to ~0.59x / ~0.54x.
-Width 192 keeps the float16 file under 1 MB (256 does not); a host call costs ~17 us per layer
-against ~11 us for the router product + percentile. The same threshold rule on the router's own
-softmax scores needs MORE experts than the percentile rule: the gain is the probes', not the rule's.
+`MLPClassifier`, one multi-label fit per layer, also 4x faster to fit) ~0.60x / ~0.47x at width 192;
+more prefill text (the fit default, 291k tokens) brings the shipped probes to ~0.56x / ~0.49x.
+Width 192 keeps the float16 file at 759 KiB, and 256 gains nothing. A host call costs about 1.5x the
+router product + percentile's (33 vs 22 us per layer in that file, measured beside the test suite). The same threshold rule on the
+router's own softmax scores needs MORE experts than the percentile rule: the gain is the probes', not the rule's.
 What it is not: the probes as data and the predictor (`fate_lab/policy/probes.py`).
 """
 from __future__ import annotations
