@@ -13,9 +13,10 @@ regression (`hidden=0`: 224 exact Newton fits, one linear map) predicts ~0.65x (
 (decode) of the rule's set size; a one-hidden-layer ReLU MLP with logistic outputs (sklearn
 `MLPClassifier`, one multi-label fit per layer, also 4x faster to fit) ~0.60x / ~0.47x at width 192;
 more prefill text (the fit default, 291k tokens) brings the shipped probes to ~0.56x / ~0.49x.
-Width 192 keeps the float16 file at 759 KiB, and 256 gains nothing. A host call costs about 1.5x the
-router product + percentile's (33 vs 22 us per layer in that file, measured beside the test suite). The same threshold rule on the
-router's own softmax scores needs MORE experts than the percentile rule: the gain is the probes', not the rule's.
+Width 192 keeps the float16 file at 759 KiB (256: 1012 KiB for under a point of set size). A host call
+costs about 1.5x the router product + percentile's (33 vs 22 us per layer in that file, measured beside
+the test suite). The same threshold rule on the router's own softmax scores needs MORE experts than the
+percentile rule: the gain is the probes', not the rule's.
 What it is not: the probes as data and the predictor (`fate_lab/policy/probes.py`).
 """
 from __future__ import annotations
