@@ -22,16 +22,31 @@ class LinkProfile:
     latency: float  # s added per transfer (driver/DMA setup, or SSD access time)
     source: str = ""  # where the numbers come from
     scaled_from: str | None = None  # name of the setup this profile was scaled to, if any
+    queue_depth: int = 1  # transfers in flight at once: 1 for a copy engine, an SSD's read queue for a disk
+
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bandwidth, (int, float)) and math.isfinite(self.bandwidth) and self.bandwidth > 0):
             raise ValueError(f"LinkProfile {self.name!r}: bandwidth={self.bandwidth!r} bytes/s; give a finite number > 0")
         if not (isinstance(self.latency, (int, float)) and math.isfinite(self.latency) and self.latency >= 0):
             raise ValueError(f"LinkProfile {self.name!r}: latency={self.latency!r} s; give a finite number >= 0")
+        if not (isinstance(self.queue_depth, int) and self.queue_depth >= 1):
+            raise ValueError(f"LinkProfile {self.name!r}: queue_depth={self.queue_depth!r}; give an int >= 1")
 
     def transfer_time(self, nbytes: int) -> float:
         """Seconds the link is busy moving nbytes."""
         return self.latency + nbytes / self.bandwidth
+
+    def stream_bandwidth(self, read_bytes: int) -> float:
+        """Bytes/s of back-to-back transfers of read_bytes each with queue_depth in flight.
+
+        Each transfer holds one queue entry for latency + read_bytes / bandwidth; the latencies of the
+        entries in flight overlap, the bandwidth is shared. So small reads are latency-bound
+        (queue_depth x read_bytes / transfer_time) and large or deep-queued ones bandwidth-bound.
+        """
+        if not (isinstance(read_bytes, int) and read_bytes > 0):
+            raise ValueError(f"read_bytes={read_bytes!r}; give an int > 0 (bytes per transfer)")
+        return min(self.bandwidth, self.queue_depth * read_bytes / self.transfer_time(read_bytes))
 
     def describe(self) -> str:
         """One line for tables and logs: name, bandwidth, latency, and scaling."""

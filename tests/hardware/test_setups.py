@@ -96,3 +96,16 @@ def test_every_derived_profile_is_within_2x_of_the_first_hand_estimate():
         ratio = row["decode layer ms (roofline)"] / row["decode layer ms (hand)"]
         assert 0.5 < ratio < 2.0, row
     assert set(HAND_PROFILES) == set(COMPUTE_PROFILES)
+
+
+def test_a_queue_of_reads_overlaps_latency_not_bandwidth_by_hand():
+    # 100 us per read, 1 GB/s: a 100 kB read takes 200 us, so one at a time streams 0.5 GB/s,
+    # four in flight would stream 2 GB/s but the device caps them at 1 GB/s
+    one = LinkProfile("disk", 1e9, 100e-6)
+    assert one.stream_bandwidth(100_000) == pytest.approx(0.5e9)
+    assert LinkProfile("disk", 1e9, 100e-6, queue_depth=4).stream_bandwidth(100_000) == pytest.approx(1e9)
+    assert LinkProfile("disk", 1e9, 100e-6, queue_depth=4).stream_bandwidth(10_000) == pytest.approx(4e4 / 110e-6)
+    with pytest.raises(ValueError, match="queue_depth"):
+        LinkProfile("disk", 1e9, 100e-6, queue_depth=0)
+    with pytest.raises(ValueError, match="read_bytes"):
+        one.stream_bandwidth(0)
