@@ -114,8 +114,80 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 
-def device(name: str) -> DeviceSpec:
-    """The device named `name` (clear error for an unknown one)."""
-    if name not in DEVICES:
-        raise ValueError(f"unknown device {name!r}; choose one of {sorted(DEVICES)}")
-    return DEVICES[name]
+_AMPERE_WS = "nvidia.com RTX A-series data sheet (dense = half the sparsity headline)"
+_BLACKWELL = "nvidia.com RTX 50-series / RTX PRO Blackwell pages (FP32-accumulate rate: half the FP16-accumulate " \
+             "dense figure, by analogy with Ada; estimate)"
+DEVICES.update({
+    "rtx3090ti": DeviceSpec("GeForce RTX 3090 Ti", 1008 * GB, 80 * TF, 24, "pcie4_x16",
+                            source=f"{_GA102} and nvidia.com: 1008 GB/s, 24 GB; 80 (160) TFLOP/s"),
+    "rtx3080": DeviceSpec("GeForce RTX 3080 10GB", 760 * GB, 59.5 * TF, 10, "pcie4_x16", source=f"{_GA102}: 760 GB/s"),
+    "rtx3070": DeviceSpec("GeForce RTX 3070", 448 * GB, 40.6 * TF, 8, "pcie4_x16", source=f"{_GA102}: 448 GB/s"),
+    "rtx3080_laptop_16gb": DeviceSpec("GeForce RTX 3080 Laptop 16GB", 448 * GB, 38 * TF, 16, "pcie4_x16",
+                                      source="nvidia.com 30-series laptops: 256-bit GDDR6 14 Gbps = 448 GB/s; ~38 "
+                                             "TFLOP/s (GA104, 48 SMs at ~1.5 GHz; estimate)"),
+    "rtx2080ti": DeviceSpec("GeForce RTX 2080 Ti", 616 * GB, 53.8 * TF, 11, "pcie3_x16",
+                            source="NVIDIA Turing whitepaper: 616 GB/s, 11 GB; 53.8 (107.6) TFLOP/s"),
+    "rtx4060ti_16gb": DeviceSpec("GeForce RTX 4060 Ti 16GB", 288 * GB, 22.1 * TF, 16, "pcie4_x8",
+                                 source=f"{_ADA}: 288 GB/s, PCIe 4.0 x8; 22.1 (44.1)"),
+    "rtx4090d": DeviceSpec("GeForce RTX 4090 D", 1008 * GB, 147 * TF, 24, "pcie4_x16",
+                           source="nvidia.cn RTX 4090 D: 1008 GB/s, 24 GB, 114 SMs: the 4090's rate x 114/128"),
+    "rtx5080": DeviceSpec("GeForce RTX 5080", 960 * GB, 112.6 * TF, 16, "pcie5_x16", source=f"{_BLACKWELL}: 960 GB/s"),
+    "rtx5070ti": DeviceSpec("GeForce RTX 5070 Ti", 896 * GB, 87.9 * TF, 16, "pcie5_x16", source=f"{_BLACKWELL}: 896 GB/s"),
+    "rtx5060ti_16gb": DeviceSpec("GeForce RTX 5060 Ti 16GB", 448 * GB, 47.4 * TF, 16, "pcie5_x8",
+                                 source=f"{_BLACKWELL}: 448 GB/s, PCIe 5.0 x8"),
+    "rtx_pro_6000": DeviceSpec("RTX PRO 6000 Blackwell", 1792 * GB, 251.9 * TF, 96, "pcie5_x16",
+                               source=f"{_BLACKWELL}: 1792 GB/s, 96 GB GDDR7"),
+    "rtx2000_ada": DeviceSpec("RTX 2000 Ada 16GB", 224 * GB, 48 * TF, 16, "pcie4_x8",
+                              source="nvidia.com RTX 2000 Ada data sheet: 224 GB/s, 16 GB, PCIe 4.0 x8; ~48 TFLOP/s "
+                                     "FP16 dense (estimate from its 12 TFLOP/s FP32)"),
+    "quadro_rtx6000": DeviceSpec("Quadro RTX 6000", 672 * GB, 130.5 * TF, 24, "pcie3_x16",
+                                 source="nvidia.com Quadro RTX 6000 data sheet: 672 GB/s, 24 GB, 130.5 tensor TFLOP/s"),
+    "rtx_a4000": DeviceSpec("RTX A4000", 448 * GB, 76.7 * TF, 16, "pcie4_x16", source=f"{_AMPERE_WS}: 448 GB/s"),
+    "rtx_a5000": DeviceSpec("RTX A5000", 768 * GB, 111.1 * TF, 24, "pcie4_x16", source=f"{_AMPERE_WS}: 768 GB/s"),
+    "rtx_a6000": DeviceSpec("RTX A6000", 768 * GB, 154.8 * TF, 48, "pcie4_x16", source=f"{_AMPERE_WS}: 768 GB/s"),
+    "l40s": DeviceSpec("NVIDIA L40S", 864 * GB, 362 * TF, 48, "pcie4_x16", source="nvidia.com L40S: 864 GB/s, 362 dense"),
+    "v100": DeviceSpec("Tesla V100 SXM2 32GB", 900 * GB, 125 * TF, 32, "pcie3_x16", source="nvidia.com V100: 900 GB/s, 125"),
+    "rx7900xtx": DeviceSpec("Radeon RX 7900 XTX", 960 * GB, 122.8 * TF, 24, "pcie4_x16",
+                            source="amd.com RX 7900 XTX: 960 GB/s, 24 GB; 122.8 TFLOP/s FP16 (WMMA)"),
+    "dgx_spark": DeviceSpec("DGX Spark (GB10)", 273 * GB, 125 * TF, 128, "unified", unified=True,
+                            source="nvidia.com DGX Spark: 128 GB LPDDR5x unified, 273 GB/s; 1 PFLOP FP4 sparse -> "
+                                   "~125 TFLOP/s FP16 dense (estimate)"),
+    "apple_m3_ultra": DeviceSpec("Apple M3 Ultra (80-core GPU)", 819 * GB, 28 * TF, 512, "unified", unified=True,
+                                 source="apple.com newsroom (M3 Ultra): 819 GB/s, up to 512 GB; ~28 TFLOP/s (estimate)"),
+})
+_SIZE = {"gib": 1.0, "gb": 1e9 / 2**30, "mib": 2**-10, "tib": 2**10}
+_RATE = {"gbps": 1e9, "tbps": 1e12, "tflops": 1e12, "gflops": 1e9}
+
+
+def _spec_number(text: str, units: dict, flag: str, usage: str) -> float:
+    import re
+
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)([a-z]+)", text)
+    if m is None or m.group(2) not in units or float(m.group(1)) <= 0:
+        raise ValueError(usage)
+    return float(m.group(1)) * units[m.group(2)]
+
+
+def device(name: str, flag: str = "--device") -> DeviceSpec:
+    """A device of `DEVICES` by name, or a spec ``mem=20GiB,bw=800GBps,fp16=103TFLOPS[,link=pcie4_x16]
+    [,unified=yes]`` (one clear line naming the flag for anything else)."""
+    text = str(name).strip().lower()
+    if text in DEVICES:
+        return DEVICES[text]
+    usage = (f"{flag} {name!r}: give a device name ({', '.join(sorted(DEVICES))}) or a spec such as "
+             "mem=20GiB,bw=800GBps,fp16=103TFLOPS")
+    if "=" not in text:
+        raise ValueError(usage)
+    kv = dict(part.partition("=")[::2] for part in text.split(","))
+    if not {"mem", "bw", "fp16"} <= set(kv) or not set(kv) <= {"mem", "bw", "fp16", "link", "unified"}:
+        raise ValueError(usage)
+    unified = kv.get("unified", "no") in ("yes", "1", "true")
+    from fate_lab.hardware.links import LINK_PROFILES
+
+    if kv.get("link", "pcie4_x16") not in LINK_PROFILES:
+        raise ValueError(f"{flag} {name!r}: link={kv['link']!r}; choose one of {', '.join(sorted(LINK_PROFILES))}")
+    return DeviceSpec(f"device {name}", _spec_number(kv["bw"], {k: v for k, v in _RATE.items() if "bps" in k}, flag,
+                                                     usage),
+                      _spec_number(kv["fp16"], {k: v for k, v in _RATE.items() if "flops" in k}, flag, usage),
+                      _spec_number(kv["mem"], _SIZE, flag, usage), "unified" if unified else kv.get("link", "pcie4_x16"),
+                      unified=unified, source="--device spec")

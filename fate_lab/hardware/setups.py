@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.profiles import COMPUTE_PROFILES, compute_profile
-from fate_lab.hardware.hosts import HostTime, host_profile
+from fate_lab.hardware.hosts import HostProfile, HostTime, host_profile
 from fate_lab.hardware.links import LINK_PROFILES, LinkProfile, link_profile
 from fate_lab.hardware.models import expert_bytes as published_expert_bytes
 from fate_lab.hardware.models import published_config
@@ -50,6 +50,8 @@ class Hardware:
     host_ref: HostRef | None = None
     scaled_from: "Setup | None" = None  # a setup whose link/host the model's experts see ...
     layer_s: float | None = None  # ... on a clock where one decode layer takes layer_s (None: the setup's own)
+    host: HostProfile | None = None  # a host CPU given by its spec (plan --host ddr5-4800x12,...): charged instead
+    # of the config's named profile
 
     def for_model(self, expert_bytes: int) -> "Hardware":
         """The concrete hardware a model whose expert has expert_bytes runs on (itself unless scaled)."""
@@ -61,7 +63,7 @@ class Hardware:
     def host_time(self, profile: str, expert_bytes: int, flops_per_token: float) -> HostTime:
         """Seconds one expert (the model's own: expert_bytes, flops_per_token) takes on the host CPU `profile`."""
         ref = self.host_ref or HostRef(expert_bytes, flops_per_token, 1.0)
-        return HostTime(host_profile(profile), ref.expert_bytes, ref.flops_per_token, ref.scale)
+        return HostTime(self.host or host_profile(profile), ref.expert_bytes, ref.flops_per_token, ref.scale)
 
     def transfer_s(self, nbytes: int) -> float:
         """Seconds the link takes for nbytes (0 on the instant link)."""

@@ -1,0 +1,104 @@
+"""Inference engines as data: how much of the hardware each one's kernels reach, and what each call costs.
+
+What this file is: `Engine` (the efficiency of its CPU expert kernels against the socket's peak DRAM bandwidth,
+the most one core's kernel streams, what a second socket adds, its per-layer fixed time on the GPU and per
+CPU-expert hop, its CPU GEMM efficiency in prefill, and whether it streams CPU-placed weights to the GPU for a
+prompt's batches), `ENGINES` and `engine(name)`. Every constant names its source: a data sheet, the project's
+own measurement, an estimate (said so), or the ONE published figure it was calibrated on (`calibrated_on`:
+that figure is then marked "calibration" in docs/published_vs_predicted.md and left out of the held-out score).
+What it is not: the speed model (`static_speed.py`) or the runtime presets' simulator.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+FATE_LAB_MOE_CALL_S = 476e-6  # fate_lab's host time per experts call: 404-548 us measured (issue 34: hooks on a
+# tiny random Qwen2-MoE, 8 MoE layers, every expert cached, one torch thread, this 2-core AMD EPYC); the middle
+# of that range. ONE constant: update it here when the runtime's call gets cheaper.
+HOP_S = 30e-6  # activations GPU->CPU->GPU and a thread-pool wake per CPU-expert layer: two ~10 us copies + ~10 us
+# of wake-up and synchronisation (estimate; Fiddler reports tens of microseconds per host call)
+PREFILL_STREAM_MIN_BATCH = 32  # llama.cpp's CUDA backend offloads an op on CPU-resident weights to the GPU from
+# a batch of 32 tokens (ggml-cuda.cu ggml_backend_cuda_device_offload_op: min_batch_size 32)
+UBATCH = 512  # llama.cpp's default physical batch (-ub 512, common/arg.cpp)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine's kernel efficiencies and fixed costs."""
+
+    name: str
+    cpu_bw_eff: float  # CPU expert GEMV: achieved / peak DRAM bandwidth of one socket (memory-bound)
+    cpu_core_bps: float  # bytes/s of weights one core's expert kernel gets through (the compute-bound cap)
+    numa_gain: float  # fraction of each further socket's bandwidth decode uses (0: none)
+    layer_s: float  # fixed time per decoder layer of a decode token (launches, graph, host bookkeeping)
+    hop_s: float  # extra per layer whose routed experts run on the CPU while the rest runs on the GPU
+    cpu_flops_eff: float  # CPU GEMMs of a prompt: achieved / peak FP32 FLOP/s
+    prefill_stream: bool  # CPU-placed weights cross the link to the GPU for a prompt's batches (op offload)
+    sources: dict = field(default_factory=dict, compare=False)
+    calibrated_on: tuple[str, ...] = ()  # published.json ids a constant was fitted to
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type == "float" and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"Engine {self.name!r}: {f.name}={v!r}; give a finite number >= 0")
+        for f in ("cpu_bw_eff", "cpu_flops_eff"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ValueError(f"Engine {self.name!r}: {f}={getattr(self, f)!r}; give a fraction in (0, 1]")
+
+    def cpu_bandwidth(self, socket_bps: float, sockets: int, cores: int) -> float:
+        """Bytes/s its CPU expert kernels stream on a host: memory-bound or core-bound, whichever is lower."""
+        mem = self.cpu_bw_eff * socket_bps * (1 + self.numa_gain * (sockets - 1))
+        return min(mem, self.cpu_core_bps * cores * (1 + self.numa_gain * (sockets - 1)))
+
+
+_GPU = "PR ggml-org/llama.cpp#16991 table: gpt-oss 20B MXFP4 on an RTX PRO 6000 Blackwell, tg128 391.2 t/s"
+ENGINES: dict[str, Engine] = {e.name: e for e in (
+    Engine("llama.cpp", cpu_bw_eff=0.480, cpu_core_bps=3.80e9, numa_gain=0.0, layer_s=26.7e-6, hop_s=HOP_S,
+           cpu_flops_eff=0.4, prefill_stream=True,
+           sources={"cpu_bw_eff": "calibrated: r/LocalLLaMA 'KTransformers 2.1 and llama.cpp Comparison with "
+                                  "DeepSeek V3': llama.cpp CPU-only Q4_K_M, EPYC 7773X, 4.36 t/s",
+                    "cpu_core_bps": "calibrated: llmfit PR 755, RTX 2080 + i9-10900X (10 cores), Qwen3-30B-A3B "
+                                    "Q4_K_M --n-cpu-moe 36, 36.7 t/s",
+                    "numa_gain": "estimate: llama.cpp has no NUMA-aware expert placement; a thread reads the "
+                                 "other socket's memory as often as its own",
+                    "layer_s": f"calibrated: {_GPU} (bandwidth x 0.75 predicts 1.9 ms a token; the rest over 24 "
+                               "layers)", "hop_s": "estimate (HOP_S)",
+                    "cpu_flops_eff": "estimate: hosts.py's GEMM ~40% of the FP32 FMA peak",
+                    "prefill_stream": "ggml-cuda op offload from 32-token batches (PREFILL_STREAM_MIN_BATCH)"},
+           calibrated_on=("localllama_ktrans21_llamacpp_cpu_q4km", "llmfit_qwen3_30b_rtx2080",
+                          "llamacpp_pr16991_pro6000_gptoss20b")),
+    Engine("ktransformers", cpu_bw_eff=0.480, cpu_core_bps=3.80e9, numa_gain=0.553, layer_s=26.7e-6, hop_s=HOP_S,
+           cpu_flops_eff=0.4, prefill_stream=False,
+           sources={"cpu_bw_eff": "as llama.cpp: its CPU MoE operator runs llamafile's ggml kernels (kTransformers "
+                                  "docs)", "cpu_core_bps": "as llama.cpp (the same kernels)",
+                    "numa_gain": "calibrated: kTransformers DeepseekR1_V3_tutorial.md V0.2, dual socket (2 x Xeon Gold "
+                                 "6454S), 8 experts, 12.208 t/s",
+                    "layer_s": "as llama.cpp (CUDA graphs on the GPU part)", "hop_s": "estimate (HOP_S)",
+                    "cpu_flops_eff": "estimate (as llama.cpp)",
+                    "prefill_stream": "V0.2 computes a prompt's experts on the CPU"},
+           calibrated_on=("ktransformers_v02_dual_socket_8",)),
+    Engine("fate_lab", cpu_bw_eff=0.5, cpu_core_bps=3.80e9, numa_gain=0.0, layer_s=FATE_LAB_MOE_CALL_S, hop_s=HOP_S,
+           cpu_flops_eff=0.4, prefill_stream=False,
+           sources={"cpu_bw_eff": "estimate: hosts.py's 0.5 for bf16 expert GEMVs (no measurement found)",
+                    "cpu_core_bps": "as llama.cpp (estimate)", "numa_gain": "estimate: no NUMA placement",
+                    "layer_s": "measured: FATE_LAB_MOE_CALL_S (issue 34, this machine)",
+                    "hop_s": "estimate (HOP_S)", "cpu_flops_eff": "estimate (as llama.cpp)",
+                    "prefill_stream": "host compute runs a prompt's host experts on the CPU"}),
+)}
+
+
+def engine(name: str, flag: str = "--engine") -> Engine:
+    """The engine named `name` (one clear line for an unknown one)."""
+    if name not in ENGINES:
+        raise ValueError(f"{flag} {name!r}: unknown engine; choose one of {', '.join(ENGINES)}")
+    return ENGINES[name]
+
+
+def host_profile_of(spec, eng: Engine):
+    """The simulator's `HostProfile` of a host spec under an engine: its CPU bandwidth and GEMM rate, HOP_S a call."""
+    from fate_lab.hardware.hosts import HostProfile
+
+    return HostProfile(spec.name, eng.cpu_bandwidth(spec.socket_bandwidth(), spec.sockets, spec.cores),
+                       spec.flops(spec.sockets) * eng.cpu_flops_eff, HOP_S, f"{spec.describe()} under {eng.name}")
