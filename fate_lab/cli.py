@@ -119,32 +119,6 @@ def _cmd_fit_similarity(args: argparse.Namespace) -> None:
     print(f"\nwrote {path} and {path.with_suffix('.json').name}")
 
 
-def _cmd_plan(args: argparse.Namespace) -> None:
-    import pandas as pd
-
-    from fate_lab.study.plan import plan
-
-    p = plan(args.model, args.device, args.budget, args.link, args.context, args.trace, tuple(args.presets.split(",")),
-             args.host)
-    if args.json:
-        print(p.to_json())
-        return
-    print(f"{p.model} on {p.device} over {p.link}, budget {p.budget_bytes / 2**30:.2f} GiB, context {p.context} tokens")
-    print(f"routing: {p.routing}\n")
-    with pd.option_context("display.width", 160, "display.max_columns", None):
-        mem = pd.DataFrame(p.memory).set_index("config").drop(columns=["slots per layer"])
-        print("memory plan (GiB; expert slots over all MoE layers):")
-        print(mem.round(3).to_string(), "\n")
-        cols = ["TTFT (ms)", "decode tok/s", "decode hit rate", "stall (ms/token)", "MiB moved per token",
-                "depends on routing"]
-        if p.rows:
-            print("predicted (simulator on the roofline compute profile):")
-            print(pd.DataFrame(p.rows).set_index("config")[cols].round(3).to_string())
-    for name, why in p.skipped.items():
-        print(f"not simulated: {name}: {why}")
-    print(f"\nbest: {p.best}")
-
-
 def _cmd_check_notebooks(args: argparse.Namespace) -> None:
     from fate_lab.study.notebooks import dirty_notebooks
 
@@ -154,10 +128,6 @@ def _cmd_check_notebooks(args: argparse.Namespace) -> None:
     if dirty:
         raise SystemExit(f"{len(dirty)} notebook(s) keep outputs or widget state; clear them before committing")
     print("notebooks are clean")
-
-
-DEFAULT_PRESETS_FOR_CLI = ("load_on_demand", "lru", "activation_path", "fate", "host_compute", "static_host",
-                           "all_host", "lru_quant", "fate_quant")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,26 +192,14 @@ def main(argv: list[str] | None = None) -> None:
     fs.add_argument("--out", default=None, help="output .safetensors (default: <model>/expert_similarity.safetensors)")
     fs.add_argument("--no-check", action="store_true", help="skip the comparison on the eval trace")
     fs.set_defaults(func=_cmd_fit_similarity)
-    pl = sub.add_parser("plan", help="size a deployment: memory plan and predicted speed per preset, from a config "
-                        "and data-sheet specs")
-    pl.add_argument("--model", required=True, help="embedded model (tiny_moe, tiny_deepseek), a published model of "
-                    "data/configs (e.g. Qwen1.5-MoE-A2.7B, Mixtral-8x7B-v0.1, gpt-oss-20b), a checkpoint folder or a "
-                    "config.json")
-    pl.add_argument("--device", required=True, help="a device of fate_lab.hardware.devices.DEVICES (e.g. rtx4090, "
-                    "rtx3090, a100_80gb, jetson_agx_orin)")
-    pl.add_argument("--link", default=None, help="a link of fate_lab.hardware.links.LINK_PROFILES (default: the "
-                    "device's host link; nvme on unified memory)")
-    pl.add_argument("--budget", required=True, help="device memory the runtime may use, e.g. 12GiB, 16GB, 800MiB")
-    pl.add_argument("--context", type=int, default=4096, help="tokens of KV cache to reserve")
-    pl.add_argument("--trace", default=None, help="a routing trace file of this model (python -m fate_lab trace, or "
-                    "from_routing_array(...).save); default: the model's own (embedded) or a stand-in")
-    pl.add_argument("--presets", default=",".join(DEFAULT_PRESETS_FOR_CLI), help="comma-separated presets to compare")
-    pl.add_argument("--host", default="desktop_ddr4", help="the host CPU of host compute and prediction "
-                    "(fate_lab.hardware.hosts.HOST_PROFILES)")
-    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
-    pl.set_defaults(func=_cmd_plan)
+    from fate_lab.study.plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
     c = sub.add_parser("check-notebooks", help="fail if a notebook keeps outputs or widget state")
     c.add_argument("folder", nargs="?", default="notebooks", help="folder of the notebooks to check")
     c.set_defaults(func=_cmd_check_notebooks)
     args = ap.parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except (ValueError, OSError) as exc:  # a user's bad input: one line, no traceback, a non-zero exit
+        raise SystemExit(f"python -m fate_lab {args.cmd}: " + " ".join(str(exc).split())) from None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,48 +29,13 @@ from fate_lab.hardware.devices import DEVICES, device
 from fate_lab.hardware.links import LINK_PROFILES
 from fate_lab.hardware.setups import Hardware
 from fate_lab.model.trace import Trace
-from fate_lab.paths import DATA_DIR, EMBEDDED_MODELS
+from fate_lab.paths import EMBEDDED_MODELS
+from fate_lab.study.plan_model import CONFIGS_DIR, ModelSpec, model_names, model_spec, parse_bytes, shape_from_config
 
-CONFIGS_DIR = DATA_DIR / "configs"  # published configs, each with its source.md
 DEFAULT_PRESETS = ("load_on_demand", "lru", "activation_path", "fate", "host_compute", "static_host", "all_host",
                    "lru_quant", "fate_quant")
 # presets whose figures follow from bytes and FLOPs alone: every decode token moves or computes its own top-k
 ROUTING_FREE = ("load_on_demand", "all_host")
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'12GiB', '16 GB', '500MiB' or an int -> bytes (binary units: KiB, MiB, GiB; decimal: KB, MB, GB)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"budget {text!r}: give a number with a unit, e.g. 12GiB, 16GB, 500MiB (units: "
-                         f"{', '.join(u for u in _UNITS if u)})")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model as the sizing tool knows it: its shape at the precision that runs, and its vocabulary."""
-
-    name: str
-    shape: ModelShape
-    vocab_size: int
-    tied: bool
-    source: str  # where the config came from
-
-
-def model_names() -> list[str]:
-    """Every model `plan` knows by name: the embedded models, then the published configs of `data/configs` whose
-    model type this transformers has (a config of a family it lacks, e.g. DeepSeek-MoE's `deepseek`, is left
-    out: it could not be built)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    published = [d.name for d in CONFIGS_DIR.iterdir() if (d / "config.json").is_file()
-                 and json.loads((d / "config.json").read_text()).get("model_type") in CONFIG_MAPPING]
-    return list(EMBEDDED_MODELS) + sorted(published)
 
 
 def budget_steps(model: str, device_name: str, steps: int, context: int = 4096) -> list[float]:
@@ -86,48 +51,6 @@ def budget_steps(model: str, device_name: str, steps: int, context: int = 4096) 
     if top <= lo:
         return [float(sig(top).replace(",", ""))]
     return sorted({float(sig(lo + (top - lo) * i / max(1, steps - 1)).replace(",", "")) for i in range(steps)})
-
-
-def model_spec(model: str, dtype: torch.dtype = torch.bfloat16) -> ModelSpec:
-    """An embedded model's name, a published model's name (`data/configs`), a checkpoint folder or a config.json."""
-    from transformers import AutoConfig
-
-    if model in EMBEDDED_MODELS:
-        path = EMBEDDED_MODELS[model] / "config.json"
-    elif (CONFIGS_DIR / model / "config.json").is_file():
-        path = CONFIGS_DIR / model / "config.json"
-    else:
-        p = Path(model)
-        path = p / "config.json" if p.is_dir() else p
-        if not path.is_file():
-            known = sorted(EMBEDDED_MODELS) + sorted(d.name for d in CONFIGS_DIR.iterdir() if d.is_dir())
-            raise ValueError(f"--model {model!r}: not an embedded or published model ({', '.join(known)}), nor a "
-                             "checkpoint folder with config.json, nor a config.json file")
-    raw = json.loads(path.read_text())
-    cfg = AutoConfig.for_model(raw.pop("model_type"), **{k: v for k, v in raw.items() if k not in ("architectures",
-                                                                                                 "auto_map")})
-    shape = shape_from_config(cfg, dtype)
-    return ModelSpec(model, shape, int(getattr(cfg, "vocab_size", 0) or 0), bool(getattr(cfg, "tie_word_embeddings",
-                                                                                       False)), str(path))
-
-
-def shape_from_config(cfg, dtype: torch.dtype) -> ModelShape:
-    """The shape of a config's model, built on the meta device (no weights, no memory) at `dtype`."""
-    from transformers import AutoModelForCausalLM
-
-    from fate_lab.model.adapters import adapt
-
-    cfg = dataclasses.replace(cfg) if dataclasses.is_dataclass(cfg) else cfg
-    if hasattr(cfg, "quantization_config"):  # e.g. gpt-oss's MXFP4 on disk: size it at `dtype`, as it would run
-        delattr(cfg, "quantization_config")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    a = adapt(model)
-    item = dtype.itemsize
-    scale = item / next(model.parameters()).element_size()
-    return ModelShape(len(getattr(model, "model", model).layers), a.num_moe_layers, a.num_experts, a.top_k,
-                      a.hidden_size, a.expert_intermediate_size, dtype, int(a.dense_bytes() * scale),
-                      int(a.kv_bytes_per_token(dtype)))
 
 
 def standin_trace(shape: ModelShape, source: str = "tiny_deepseek", fast: bool = True) -> Trace:
@@ -155,6 +78,17 @@ def standin_trace(shape: ModelShape, source: str = "tiny_deepseek", fast: bool =
     return from_routing_array(out, num_experts=E, phase=src.phase, prompt_id=src.prompt_id)
 
 
+def _finite(v):
+    """A value for strict JSON: NaN and infinities become None (null), containers recursively."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
 @dataclass
 class DeploymentPlan:
     """What `plan` answers: the setup, the memory plan and predicted speed per preset, and what they rest on."""
@@ -168,62 +102,116 @@ class DeploymentPlan:
     standin: bool
     memory: list[dict] = field(default_factory=list)  # one row per preset: dense, KV, buffers, slots
     rows: list[dict] = field(default_factory=list)  # one `RunStats.row` per preset, plus notes
-    skipped: dict[str, str] = field(default_factory=dict)  # preset -> why it was not simulated
+    skipped: dict[str, str] = field(default_factory=dict)  # preset -> why it was not simulated (or does not fit)
     compute: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what a reader must know to read the numbers
 
     @property
     def best(self) -> str | None:
-        """The preset with the highest predicted decode tok/s (lossless and quantized alike)."""
-        ok = [r for r in self.rows if r["decode tok/s"] == r["decode tok/s"]]
+        """The preset with the highest predicted decode tok/s (lossless and quantized alike; only presets that fit
+        are simulated, so only they are ranked)."""
+        ok = [r for r in self.rows if isinstance(r["decode tok/s"], float) and math.isfinite(r["decode tok/s"])]
         return max(ok, key=lambda r: r["decode tok/s"])["config"] if ok else None
 
+    def as_dict(self) -> dict:
+        """The plan as plain values, missing ones None."""
+        return _finite({**dataclasses.asdict(self), "best": self.best})
+
     def to_json(self) -> str:
-        """The plan as JSON (for scripts)."""
-        return json.dumps({**dataclasses.asdict(self), "best": self.best}, indent=1, default=str)
+        """The plan as strict JSON (missing values are null, never NaN)."""
+        return json.dumps(self.as_dict(), indent=1, default=str, allow_nan=False)
 
 
-def plan(model: str, device_name: str, budget: str | int, link: str | None = None, context: int = 4096,
+def _quant_compute(shape: ModelShape, cfg: OffloadConfig, dev_name: str, host: str, spec, context: int):
+    """The compute profile of a quantized preset: the runtime dequantizes a packed expert into a full-precision
+    scratch and multiplies that, so one expert reads its packed bytes, writes and reads the scratch."""
+    from fate_lab.core.sizing import slot_sizing
+    from fate_lab.quant import QuantPolicy
+
+    _, slot, _ = slot_sizing(QuantPolicy.preset(cfg.quant), shape.num_moe_layers, shape.expert_shapes(), shape.dtype,
+                             shape.nbytes(None))
+    return compute_for(shape, dev_name, host, spec.vocab_size, spec.tied, context // 2,
+                       expert_bytes=slot + 2 * shape.nbytes(None))
+
+
+def plan(model: str, device_name: str, budget: str | int | None = None, link: str | None = None, context: int = 4096,
          trace: str | Trace | None = None, presets=DEFAULT_PRESETS, host: str = "desktop_ddr4",
          dtype: torch.dtype = torch.bfloat16, fast: bool = True) -> DeploymentPlan:
-    """Size one deployment (module docstring). ``fast``: which size of the embedded trace stands in for the
-    routing when no trace is given (`lab.sizes`)."""
+    """Size one deployment (module docstring). ``budget`` None: the card's memory. ``host``: a host profile name
+    (`hardware.hosts.HOST_PROFILES`) or a host spec (`hardware.host_specs.host_spec`). ``fast``: which size of the
+    embedded trace stands in for the routing when no trace is given (`lab.sizes`)."""
+    from fate_lab.hardware.engines import engine, host_profile_of
+    from fate_lab.hardware.host_specs import host_spec
+    from fate_lab.hardware.hosts import HOST_PROFILES
     from fate_lab.sim.simulate import needs_router, simulate
 
     dev = device(device_name)
     link = link or ("nvme" if dev.unified else dev.host_link)
     if link not in LINK_PROFILES:
-        raise ValueError(f"--link {link!r}; choose one of {sorted(LINK_PROFILES)}")
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise ValueError(f"--context {context!r}: give the KV-cache tokens to plan for, an int >= 1")
+        raise ValueError(f"--link {link!r}; choose one of {', '.join(sorted(LINK_PROFILES))}")
+    if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= 1 << 20:
+        raise ValueError(f"--context {context!r}: give the KV-cache tokens to plan for, a whole number from 1 to "
+                         f"{1 << 20:,}")
+    host_obj = None if host in HOST_PROFILES else host_profile_of(host_spec(host), engine("fate_lab"))
     spec = model_spec(model, dtype)
-    shape, budget_b = spec.shape, parse_bytes(budget)
-    if budget_b > dev.memory_gib * 2**30:
-        raise ValueError(f"--budget {budget!r} is more than the {dev.name}'s {dev.memory_gib:g} GiB")
+    shape = spec.shape
+    card = int(dev.memory_gib * 2**30)
+    budget_b = card if budget is None else parse_bytes(budget)
+    if budget_b > card:
+        raise ValueError(f"--budget {budget!r} is more than the {dev.name}'s {dev.memory_gib:g} GiB; give at most "
+                         "the card's memory (or leave --budget out to use all of it)")
     tr, routing, standin = _routing(spec, trace, fast)
-    compute = compute_for(shape, device_name, host, spec.vocab_size, spec.tied, context // 2)
-    hw = Hardware(compute, LINK_PROFILES[link])
+    compute = compute_for(shape, device_name, "desktop_ddr4", spec.vocab_size, spec.tied, context // 2)
+    hw = Hardware(compute, LINK_PROFILES[link], host=host_obj)
     out = DeploymentPlan(spec.name, device_name, link, budget_b, context, routing, standin,
                          compute=dataclasses.asdict(compute))
+    out.notes.append(f"the runtime presets run the weights at {str(dtype).replace('torch.', '')} (the *_quant "
+                     "presets pack experts as fate_lab's INT4/INT2); a GGUF or MXFP4 file's formats apply to "
+                     "placements: --n-cpu-moe, --cpu-moe, -ngl, --cpu-only, --fit")
+    all_experts = shape.nbytes(None) * shape.num_moe_layers * shape.num_experts
     for name in presets:
-        cfg = OffloadConfig.preset(name, budget=budget_b, context_len=context, host_profile=host, link=link)
+        cfg = OffloadConfig.preset(name, budget=budget_b, context_len=context,
+                                   host_profile=host if host in HOST_PROFILES else "desktop_ddr4", link=link)
+        need = shape.dense_bytes + shape.kv_bytes_per_token * context + all_experts
+        if cfg.all_resident and need > budget_b:
+            out.skipped[name] = (f"does not fit: every expert resident needs {need / 2**30:.2f} GiB (dense "
+                                 f"{shape.dense_bytes / 2**30:.2f} + KV {shape.kv_bytes_per_token * context / 2**30:.2f}"
+                                 f" + experts {all_experts / 2**30:.2f}), budget {budget_b / 2**30:.2f} GiB")
+            continue
         try:
             core = DriverCore(cfg, shape, hw, driver="simulator")
         except ValueError as exc:
             if "below the minimum working set" in str(exc):
-                raise ValueError(f"--budget {budget!r}: {exc}") from None
+                out.skipped[name] = f"does not fit: {str(exc).split(';')[0]}"
+                continue
             out.skipped[name] = str(exc)
             continue
         p = core.plan
         out.memory.append({"config": name, "dense (GiB)": p.dense_bytes / 2**30, "KV cache (GiB)": p.kv_bytes / 2**30,
-                           "buffers (GiB)": p.buffer_bytes / 2**30, "experts cached (GiB)": p.cache_bytes / 2**30,
+                           "buffers (GiB)": p.buffer_bytes / 2**30,
+                           "experts cached (GiB)": p.cache_bytes / 2**30 if cfg.cache or cfg.all_resident else 0.0,
                            "expert slots": sum(core.slots_per_layer), "slots per layer": list(core.slots_per_layer),
                            "share of experts": sum(core.slots_per_layer) / (shape.num_moe_layers * shape.num_experts)})
         if needs_router(cfg) and (tr.gate_inputs is None or tr.router_weights is None):
             out.skipped[name] = "needs a trace with gate inputs (record one: python -m fate_lab trace --model DIR)"
             continue
-        row = simulate(tr, cfg, hw, shape).row(name)
+        run_hw = hw if cfg.quant is None else Hardware(_quant_compute(shape, cfg, device_name, "desktop_ddr4", spec,
+                                                                      context), hw.link, host=host_obj)
+        row = simulate(tr, cfg, run_hw, shape).row(name)
         row["depends on routing"] = name not in ROUTING_FREE
+        if not math.isfinite(row["TTFT (ms)"]):
+            row["TTFT (ms)"] = None
+            row["TTFT note"] = "the trace marks no prompt (prefill) tokens, so the prompt's time is unknown"
         out.rows.append(row)
+    if not out.rows and all(v.startswith("does not fit") for v in out.skipped.values()) and out.skipped:
+        floor = shape.dense_bytes + shape.kv_bytes_per_token * context
+        raise ValueError(
+            f"--budget {budget_b / 2**30:.2f} GiB is below the working set of every preset: {spec.name} at "
+            f"{str(dtype).replace('torch.', '')} needs {shape.dense_bytes / 2**30:.2f} GiB of dense weights + "
+            f"{shape.kv_bytes_per_token * context / 2**30:.2f} GiB of KV cache at --context {context} (= "
+            f"{floor / 2**30:.2f} GiB) + a few experts; give a larger --budget (the {dev.name} has "
+            f"{dev.memory_gib:g} GiB), a smaller --context, or a placement with a quantized file (--weights q4_k_m "
+            "--n-cpu-moe N, or --fit)")
     return out
 
 
@@ -232,7 +220,11 @@ def _routing(spec: ModelSpec, trace, fast: bool = True) -> tuple[Trace, str, boo
     from fate_lab.study.lab import get_trace
 
     if isinstance(trace, (str, Path)):
-        trace = Trace.load(trace)
+        try:
+            trace = Trace.load(trace)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"--trace {str(trace)!r} cannot be read as a routing trace: "
+                             f"{str(exc).splitlines()[0][:200]} (record one: python -m fate_lab trace)") from None
     if trace is not None:
         s = spec.shape
         if (trace.num_layers, trace.top_k) != (s.num_moe_layers, s.top_k) or trace.num_experts > s.num_experts:
@@ -259,7 +251,7 @@ def budget_sweep(model: str, device_name: str, budgets, link: str | None = None,
         try:
             p = plan(model, device_name, b, link, context, trace, presets, fast=fast)
         except ValueError as exc:
-            if "minimum working set" in str(exc):
+            if "working set" in str(exc):
                 continue
             raise
         for r in p.rows:
