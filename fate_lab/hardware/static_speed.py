@@ -26,7 +26,7 @@ from fate_lab.hardware.disks import MMAP_READ_BYTES
 from fate_lab.hardware.engines import PREFILL_STREAM_MIN_BATCH, UBATCH, Engine
 from fate_lab.hardware.formats import WeightFormat
 from fate_lab.hardware.host_specs import HostSpec
-from fate_lab.hardware.links import LinkProfile
+from fate_lab.hardware.links import LINK_PROFILES, LinkProfile
 from fate_lab.hardware.params import ModelParams
 from fate_lab.hardware.placements import Placement
 
@@ -46,7 +46,7 @@ class Deployment:
     device: DeviceSpec | None  # None: no GPU at all
     host: HostSpec
     engine: Engine
-    link: LinkProfile | None  # host -> GPU (None: unified memory or no GPU)
+    link: LinkProfile | None  # host -> GPU (None: the device's own host link; unused on unified memory)
     disk: LinkProfile | None = None
     gpus: int = 1  # identical cards splitting the layers (llama.cpp's default --split-mode layer)
     context: int = 4096  # tokens of KV cache reserved
@@ -183,7 +183,8 @@ def _prefill_s(d: Deployment, lay, has_gpu: bool, unified: bool, resident: float
     p, fmt, eng = d.params, d.fmt, d.engine
     grate = d.device.fp16_flops * d.device.compute_efficiency if d.device is not None else 0.0
     crate = d.host.flops(d.host.sockets) * eng.cpu_flops_eff
-    link_bw = d.link.bandwidth if d.link is not None else 0.0
+    link = d.link or (LINK_PROFILES.get(d.device.host_link) if d.device is not None else None)
+    link_bw = link.bandwidth if link is not None else 0.0
     disk_bw = _disk_bandwidth(d, MMAP_READ_BYTES) if resident < 1.0 else 0.0
     total, left = 0.0, d.prompt
     while left > 0:

@@ -30,19 +30,19 @@ def add_plan_parser(sub) -> None:
                     "data/configs (e.g. Qwen3-30B-A3B, DeepSeek-V3, gpt-oss-120b), a checkpoint folder or a config.json")
     pl.add_argument("--device", required=True, help="a device name (rtx3090, rtx4090, dgx_spark, ...; 'none' for a "
                     "machine without one) or a spec mem=20GiB,bw=800GBps,fp16=103TFLOPS")
-    pl.add_argument("--gpus", type=int, default=None, help="identical cards splitting the layers (default 1)")
+    pl.add_argument("--gpus", type=str, default=None, help="identical cards splitting the layers (default 1)")
     pl.add_argument("--budget", default=None, help="device memory to use, e.g. 12GiB (default: all of it)")
-    pl.add_argument("--context", type=int, default=4096, help="tokens of KV cache to reserve")
-    pl.add_argument("--prompt", type=int, default=None, help="prompt tokens of the predicted prefill (default 512)")
+    pl.add_argument("--context", type=str, default="4096", help="tokens of KV cache to reserve")
+    pl.add_argument("--prompt", type=str, default=None, help="prompt tokens of the predicted prefill (default 512)")
     pl.add_argument("--weights", default=None, help="the file's weight format: bf16, fp16, fp8, int8, int4_awq, "
                     "int4_gptq, mxfp4, mxfp4_moe, q8_0, q6_k, q5_k_m, q4_k_m, q4_0, q3_k_m, q2_k, hqq4, "
                     "mixtral_offloading_2bit, mixtral_offloading_3bit, fate_int4, fate_int2 (default: what the "
                     "config declares, else bf16)")
     pl.add_argument("--expert-weights", default=None, help="another format for the routed experts alone")
-    pl.add_argument("--n-cpu-moe", type=int, default=None, help="llama.cpp: routed experts of the first N layers "
+    pl.add_argument("--n-cpu-moe", type=str, default=None, help="llama.cpp: routed experts of the first N layers "
                     "on the CPU")
     pl.add_argument("--cpu-moe", action="store_true", help="llama.cpp: every routed expert on the CPU")
-    pl.add_argument("-ngl", "--n-gpu-layers", type=int, default=None, help="llama.cpp: the last N layers on the "
+    pl.add_argument("-ngl", "--n-gpu-layers", type=str, default=None, help="llama.cpp: the last N layers on the "
                     "GPU, the rest (attention too) on the CPU")
     pl.add_argument("--cpu-only", action="store_true", help="run on the CPU alone")
     pl.add_argument("--fit", action="store_true", help="what fits with a 1 GiB margin: every --n-cpu-moe and "
@@ -62,6 +62,30 @@ def add_plan_parser(sub) -> None:
                     + ",".join(DEFAULT_PRESETS) + ")")
     pl.add_argument("--json", action="store_true", help="print the answer as strict JSON (missing values null)")
     pl.set_defaults(func=run_plan)
+
+
+INT_FLAGS = {"gpus": "--gpus", "context": "--context", "prompt": "--prompt", "n_cpu_moe": "--n-cpu-moe",
+             "n_gpu_layers": "-ngl"}
+
+
+def whole(text: str | int | None, flag: str) -> int | None:
+    """A command-line count: '4096', '32k' or '1e5' when it is a whole number (one clear line otherwise)."""
+    if text is None or isinstance(text, int):
+        return text
+    t = str(text).strip().lower()
+    mult = 1024 if t.endswith("k") else 1
+    try:
+        v = float(t[:-1] if mult > 1 else t) * mult
+    except ValueError:
+        v = float("nan")
+    if not (v == v and abs(v) < 2**62 and v == int(v)):
+        raise ValueError(f"{flag} {text!r}: give a whole number, e.g. 4096 or 32k")
+    return int(v)
+
+
+def _ints(args: argparse.Namespace) -> None:
+    for key, flag in INT_FLAGS.items():
+        setattr(args, key, whole(getattr(args, key), flag))
 
 
 def _mode(args: argparse.Namespace) -> str:
@@ -91,6 +115,7 @@ def answer(args: argparse.Namespace) -> dict:
     from fate_lab.study.fit import fit, placement, predict_placement
     from fate_lab.study.plan import _finite, plan
 
+    _ints(args)
     mode = _mode(args)
     if mode == "presets":
         presets = tuple(p for p in (args.presets or "").split(",") if p) or None
