@@ -91,9 +91,8 @@ def _config_path(model: str) -> Path:
 
 
 def read_config(path: Path) -> dict:
-    """A config.json as a dict, every sizing field checked (one clear line naming the file and the field)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
+    """A config.json as a dict, every sizing field checked (one clear line naming the file and the field); whether
+    the installed transformers has its family is checked when it is built (`_build`)."""
     text = path.read_text(errors="replace")
     try:
         raw = json.loads(text)
@@ -105,8 +104,6 @@ def read_config(path: Path) -> dict:
     mt = raw.get("model_type")
     if mt is None:
         raise ValueError(f"--model: {path} has no 'model_type' field; a transformers config.json names its family")
-    if mt not in CONFIG_MAPPING:
-        raise ValueError(f"--model: {path}: model_type {mt!r} is not a family of the installed transformers")
     for key in SIZE_FIELDS:
         v = raw.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
@@ -121,7 +118,12 @@ def _build(path: str, dtype: torch.dtype) -> tuple:
     from fate_lab.core.costs import model_params
     from fate_lab.model.adapters import adapt
 
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     raw = read_config(Path(path))
+    if raw["model_type"] not in CONFIG_MAPPING:
+        raise ValueError(f"--model: {path}: model_type {raw['model_type']!r} is not a family of the installed "
+                         "transformers")
     declared = (raw.get("quantization_config") or {}).get("quant_method")
     if declared is not None and declared not in DECLARED:
         raise ValueError(f"--model: {path} declares quantization {declared!r}, which the sizing tool has no "
@@ -145,11 +147,59 @@ def _build(path: str, dtype: torch.dtype) -> tuple:
         DECLARED.get(declared)
 
 
+CACHE_VERSION = 1  # bump when what _build returns changes: older cache entries are then ignored
+
+
+def cache_dir() -> Path:
+    """Where built configs are remembered between runs: $FATE_LAB_CACHE, else ~/.cache/fate_lab/configs."""
+    import os
+
+    return Path(os.environ.get("FATE_LAB_CACHE") or Path.home() / ".cache" / "fate_lab" / "configs")
+
+
+def _cache_file(path: Path, dtype: torch.dtype) -> Path:
+    import hashlib
+    from importlib.metadata import version
+
+    key = hashlib.sha256(path.read_bytes() + f"|{dtype}|{version('transformers')}|{CACHE_VERSION}".encode())
+    return cache_dir() / f"{key.hexdigest()[:32]}.json"
+
+
+def _to_json(built: tuple) -> str:
+    import dataclasses
+
+    shape, params, vocab, tied, declared = built
+    return json.dumps({"shape": {**dataclasses.asdict(shape), "dtype": str(shape.dtype).replace("torch.", "")},
+                       "params": dataclasses.asdict(params), "vocab": vocab, "tied": tied, "declared": declared})
+
+
+def _from_json(text: str) -> tuple:
+    from fate_lab.hardware.params import LayerParams
+
+    d = json.loads(text)
+    sh = {**d["shape"], "dtype": getattr(torch, d["shape"]["dtype"])}
+    p = d["params"]
+    layers = tuple(LayerParams(tuple((c, n) for c, n in lay.pop("dense")), **lay) for lay in p.pop("layers"))
+    return ModelShape(**sh), ModelParams(layers=layers, **p), d["vocab"], d["tied"], d["declared"]
+
+
 def model_spec(model: str, dtype: torch.dtype = torch.bfloat16) -> ModelSpec:
     """An embedded model's name, a published model's name (`data/configs`), a checkpoint folder or a config.json,
-    built on the meta device at `dtype` (remembered per file)."""
+    built on the meta device at `dtype`; remembered per file in this process and, keyed by the config's bytes and
+    the transformers version, in `cache_dir()` (a build imports transformers' modeling code: seconds)."""
     path = _config_path(str(model))
-    shape, params, vocab, tied, declared = _build(str(path.resolve()), dtype)
+    read_config(path)  # every field checked on every call, cached or not
+    cached = _cache_file(path, dtype)
+    try:
+        built = _from_json(cached.read_text())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        built = _build(str(path.resolve()), dtype)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            cached.write_text(_to_json(built))
+        except OSError:  # a read-only home: the next run builds again, nothing else changes
+            pass
+    shape, params, vocab, tied, declared = built
     return ModelSpec(str(model), shape, vocab, tied, str(path), params, declared)
 
 

@@ -53,3 +53,17 @@ def test_bad_format_and_rule_names_are_one_clear_line():
         Rule(("attention",), "Q4_K")
     with pytest.raises(ValueError, match="tensor class 'mlp'"):
         WeightFormat("x", "Q4_K").type_of("mlp")
+
+
+def test_a_remembered_build_equals_a_fresh_one(tmp_path, monkeypatch):
+    import torch
+
+    from fate_lab.study import plan_model
+
+    monkeypatch.setenv("FATE_LAB_CACHE", str(tmp_path))
+    fresh = plan_model._build(str((plan_model.CONFIGS_DIR / "gpt-oss-20b" / "config.json").resolve()), torch.bfloat16)
+    first = plan_model.model_spec("gpt-oss-20b")  # builds, writes the cache
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    again = plan_model.model_spec("gpt-oss-20b")  # read back
+    assert (again.shape, again.params, again.vocab_size, again.tied, again.declared) == fresh
+    assert first.params == again.params
