@@ -250,6 +250,23 @@ def preset_speed(rows: pd.DataFrame, title: str = ""):
     return fig
 
 
+def n_cpu_moe_sweep(sweep: pd.DataFrame, title: str = "", mark: int | None = None):
+    """Decode tok/s against llama.cpp's --n-cpu-moe, one line per weight format (`fit.n_cpu_moe_sweep` rows; a
+    placement that does not fit has no point); `mark`: a dashed line at one N."""
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    sns.lineplot(data=sweep.dropna(subset=["decode tok/s"]), x="--n-cpu-moe", y="decode tok/s", hue="format",
+                 marker="o", ax=ax)
+    if mark is not None:
+        ax.axvline(mark, color="0.4", linestyle="--", linewidth=1)
+    ax.set_xlabel("--n-cpu-moe (routed experts of the first N layers on the CPU)")
+    ax.set_ylabel("decode tokens/s (predicted)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or "Decode speed against --n-cpu-moe", loc="left")
+    legend_outside(ax, title="weights")
+    fig.tight_layout()
+    return fig
+
+
 def budget_sweep(sweep: pd.DataFrame, title: str = ""):
     """Decode tok/s against the memory budget, one line per preset (`plan.budget_sweep` rows)."""
     fig, ax = plt.subplots(figsize=(8.5, 4.2))

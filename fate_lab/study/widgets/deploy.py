@@ -1,10 +1,12 @@
-"""The explorer of notebook 09: pick a model config, a device, a link and a budget; see the plan.
+"""The explorers of notebook 09: fate_lab's runtime presets on a budget, and a llama.cpp placement of a file.
 
 What it is: `plan_explorer` (dropdowns for the model -- the embedded models and the published configs of
 `data/configs` --, the device and the link, a slider for the budget up to the device's memory) drawing the
 memory plan as stacked bars, the predicted speed per preset as bars and the table behind both, all from one
-`plan.plan(...)` call, and `plan_rows` (that table, for a test to compare with).
-What it is not: the sizing itself (`fate_lab.study.plan`).
+`plan.plan(...)` call, and `plan_rows` (that table, for a test to compare with); `placement_explorer` (a weight
+format, an engine, the host and its RAM, a --n-cpu-moe slider) drawing `placement_table` and decode tok/s
+against --n-cpu-moe per format.
+What it is not: the sizing itself (`fate_lab.study.plan`, `fate_lab.study.fit`).
 """
 from __future__ import annotations
 
@@ -99,5 +101,71 @@ def plan_explorer(model: str = "Qwen1.5-MoE-A2.7B", device: str = "rtx3090", bud
         w.observe(_draw, names="value")
     for w in (m, d):
         w.observe(_bounds, names="value")
+    _draw()
+    return box
+
+
+def placement_table(model: str, device: str, weights: str, n_cpu_moe: int, host: str = "desktop_ddr4",
+                    host_ram: str | None = None, engine: str = "llama.cpp", context: int = 4096,
+                    prompt: int = 512) -> pd.DataFrame:
+    """One llama.cpp placement's memory and predicted speed, as the placement explorer shows it (one row)."""
+    from fate_lab.study.fit import placement, predict_placement, setting
+
+    s = setting(model, device, host, engine, weights, host_ram=host_ram, context=context, prompt=prompt)
+    return pd.DataFrame([predict_placement(s, placement(n_cpu_moe=n_cpu_moe)).row()]).set_index("flags")
+
+
+def placement_explorer(model: str = "Qwen3-30B-A3B", device: str = "rtx3060", weights: str = "q4_k_m",
+                       n_cpu_moe: int = 20, host: str = "desktop_ddr4", host_ram: str = "32GiB",
+                       formats=("q4_k_m", "q8_0", "bf16"), context: int = 4096):
+    """Dropdowns (model, device, weight format, engine), host and RAM fields, a --n-cpu-moe slider -> that
+    placement's row (`placement_table`) and decode tok/s against --n-cpu-moe for `formats` and the chosen one
+    (`fit.n_cpu_moe_sweep`), the slider's N marked. ``box.rendered`` holds the last table and its arguments."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    from fate_lab.hardware.devices import DEVICES
+    from fate_lab.hardware.engines import ENGINES
+    from fate_lab.hardware.formats import FORMATS
+    from fate_lab.study import fit, plots, show
+    from fate_lab.study import plan as P
+    from fate_lab.study.widgets import layout
+
+    m = layout.dropdown("model config", [n for n in P.model_names() if n not in P.EMBEDDED_MODELS], model)
+    d = layout.dropdown("device", sorted(DEVICES), device)
+    f = layout.dropdown("weights (--weights)", list(FORMATS), weights)
+    e = layout.dropdown("engine (--engine)", list(ENGINES), "llama.cpp")
+    h = W.Text(value=host, description="host (--host)", style={"description_width": layout.LABEL_WIDTH}, layout=W.Layout(width="98%"))
+    r = W.Text(value=host_ram, description="host RAM (--host-ram)", style={"description_width": layout.LABEL_WIDTH},
+               layout=W.Layout(width="98%"))
+    n = layout.slider("int", "--n-cpu-moe", value=n_cpu_moe, min=0, max=P.model_spec(model).params.n_layers)
+    status = layout.status("")
+    out = W.Output()
+    box = W.VBox([m, d, f, e, h, r, n, status, out], layout=W.Layout(width="100%"))
+    box.rendered = {}
+
+    def _draw(*_):
+        n.max = P.model_spec(m.value).params.n_layers
+        args = dict(model=m.value, device=d.value, weights=f.value, n_cpu_moe=n.value, host=h.value,
+                    host_ram=r.value or None, engine=e.value, context=context)
+        with out:
+            out.clear_output(wait=True)
+            try:
+                table = placement_table(**args)
+                kw = dict(host=h.value, host_ram=r.value or None, engine_name=e.value, context=context)
+                sweep = pd.DataFrame(fit.n_cpu_moe_sweep(m.value, d.value, tuple(dict.fromkeys((f.value, *formats))),
+                                                         **kw))
+            except ValueError as exc:  # a host spec that does not parse, say: the reader sees the one line
+                print(f"no plan: {exc}")
+                box.rendered = {"args": args, "error": str(exc)}
+                return
+            setting = f"{m.value} on {d.value}, host {h.value}, {r.value or 'RAM not given'}, engine {e.value}"
+            display(show.readable(table, caption=f"{setting}: {table.index[0]}"))
+            layout.show_figure(plots.n_cpu_moe_sweep(sweep, f"Decode against --n-cpu-moe: {setting}", n.value))
+            box.rendered = {"args": args, "table": table, "sweep": sweep}
+        status.value = "" if table["fits"].iloc[0] else f"does not fit: {table['why not'].iloc[0]}"
+
+    for w in (m, d, f, e, h, r, n):
+        w.observe(_draw, names="value")
     _draw()
     return box
