@@ -9,7 +9,8 @@ calibrated constant again from its one figure (bisection, the others fixed) and 
 value: a constant that drifts from its source shows here. Where the separate `moe-fit` package answers the same
 deployment offline (given a python that has it: `--moefit-python`), its storage-bound range is put beside ours.
 
-    python -m benchmarks.bench_published            # writes docs/published_vs_predicted.md
+    python -m benchmarks.bench_published            # writes docs/published_vs_predicted.md, and the summary
+                                                    # line and a --fit run into README.md and docs/sizing.md
     python -m benchmarks.bench_published --calibrate
 """
 from __future__ import annotations
@@ -261,11 +262,11 @@ def moefit_answer(case: Case, python: str | None) -> str:
         return "not installed"
     if "--disk" not in case.command or "--host-ram" not in case.command:
         return "— (no disk tier: moe-fit says 'compute decides')"
-    from fate_lab.study.plan_cli import add_plan_parser, _setting
+    from fate_lab.study.plan_cli import add_plan_parser, setting_of
 
     ap = argparse.ArgumentParser()
     add_plan_parser(ap.add_subparsers())
-    s = _setting(ap.parse_args(["plan", *shlex.split(case.command)]))
+    s = setting_of(ap.parse_args(["plan", *shlex.split(case.command)]))
     p, fmt = s.spec.params, s.fmt
     tensors = [[f"blk.{i}.ffn_up_exps.weight", int(p.layers[i].experts * p.expert_bytes(fmt, i))]
                for i in range(p.n_layers) if p.layers[i].experts]
@@ -284,6 +285,34 @@ def moefit_answer(case: Case, python: str | None) -> str:
     except OSError as exc:
         return f"not run ({exc})"
     return run.stdout.strip() or f"not run: {run.stderr.strip().splitlines()[-1][:120]}"
+
+
+FIT_EXAMPLE = "--model Qwen3-30B-A3B --device rtx3060 --weights q4_k_m --host-ram 32GiB --fit"
+
+
+def write_region(path: Path, name: str, text: str) -> None:
+    """Replace what stands between `<!-- name:begin -->` and `<!-- name:end -->` in a markdown file."""
+    doc = path.read_text()
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if begin not in doc or end not in doc:
+        raise ValueError(f"{path} has no {begin} ... {end} region to write")
+    head, rest = doc.split(begin, 1)
+    path.write_text(head + begin + "\n" + text.strip("\n") + "\n" + end + rest.split(end, 1)[1])
+
+
+def fit_example() -> str:
+    """The first lines `plan --fit` prints for FIT_EXAMPLE, as a fenced block with its command."""
+    import contextlib
+    import io
+
+    from fate_lab.cli import main as cli
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        cli(["plan", *shlex.split(FIT_EXAMPLE)])
+    head = buf.getvalue().splitlines()[:5]
+    return "\n".join(["```text", f"$ python -m fate_lab plan {FIT_EXAMPLE}", *head,
+                      "(then one row per --n-cpu-moe: device GiB, fits, decode and prefill tok/s)", "```"])
 
 
 def main(argv=None) -> None:
@@ -347,6 +376,10 @@ def main(argv=None) -> None:
              "for `deepseek`, and a Grace host over NVLink-C2C), the Fate paper's absolute rates (routing, and "
              "secondary), HybriMoE (secondary), mixtral-offloading's full algorithm (routing)."]
     Path(args.out).write_text("\n".join(lines) + "\n")
+    line = f"{summary} ({time.strftime('%Y-%m-%d')}; docs/published_vs_predicted.md)"
+    for doc in (ROOT / "README.md", ROOT / "docs" / "sizing.md"):
+        write_region(doc, "published-summary", line)
+    write_region(ROOT / "docs" / "sizing.md", "fit-example", fit_example())
     print(summary)
     print(f"wrote {args.out}")
 

@@ -102,9 +102,11 @@ def _mode(args: argparse.Namespace) -> str:
     return mode
 
 
-def _setting(args: argparse.Namespace):
+def setting_of(args: argparse.Namespace):
+    """The `study.fit.Setting` the flags describe (placements and --fit)."""
     from fate_lab.study.fit import setting
 
+    _ints(args)
     return setting(args.model, args.device, args.host, args.engine or "llama.cpp", args.weights,
                    args.expert_weights, args.host_ram, args.disk, None, args.gpus or 1, args.context,
                    args.prompt or 512, args.budget)
@@ -122,7 +124,7 @@ def answer(args: argparse.Namespace) -> dict:
         kw = {"presets": presets} if presets else {}
         p = plan(args.model, args.device, args.budget, args.link, args.context, args.trace, host=args.host, **kw)
         return {"mode": mode, **p.as_dict()}
-    s = _setting(args)
+    s = setting_of(args)
     head = {"mode": mode, "setting": s.describe(), "format": s.fmt.name, "engine": s.engine.name,
             "layers": s.spec.params.n_layers}
     if mode == "placement":
