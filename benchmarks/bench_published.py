@@ -102,6 +102,22 @@ CASES = [
          "xeon_gold_6126"), routing="Fiddler keeps 56 popular experts on the GPU (25.2% hit rate); taken here as "
          "7 layers' 56 experts (a 25% share), which llama.cpp's kernels compute",
          note="published as '>3'; Fiddler's own CPU kernels (AVX512_BF16) and popularity placement"),
+    Case("hwc_gptoss120b_3090_ngl13", _cmd("gpt-oss-120b", "rtx3090", f"{GPT120} -ngl 13 --host ddr4-3200x4,cores=16 "
+         "--host-ram 64GiB --disk nvme_gen4 --prompt 71"), field="prefill"),
+    Case("localllama_ktrans21_llamacpp_cpu_q4km", _cmd("DeepSeek-V3", "none", "--weights q4_k_m --cpu-only --host "
+         "epyc_7773x --prompt 500"), field="prefill"),
+    Case("localllama_ktrans21_ktrans_q4km", _cmd("DeepSeek-V3", "rtx3090ti", "--weights q4_k_m --cpu-moe --engine "
+         "ktransformers --host epyc_7773x --prompt 500"), field="prefill",
+         note="kTransformers computes a prompt's experts on the CPU; we charge 40% of the EPYC's AVX2 FP32 peak (an "
+              "estimate, no prefill constant is calibrated): its int8/AVX2 kernels reach twice that here"),
+    Case("ktransformers_v02_single_socket_8", _cmd("DeepSeek-V3", "rtx4090d", "--weights q4_k_m --cpu-moe --engine "
+         "ktransformers --host ddr5-4800x8,cores=32,ghz=2.2,simd=avx512 --prompt 500"), field="prefill"),
+    Case("ktransformers_v02_dual_socket_8", _cmd("DeepSeek-V3", "rtx4090d", "--weights q4_k_m --cpu-moe --engine "
+         "ktransformers --host xeon_gold_6454s --prompt 500"), field="prefill"),
+    Case("ktransformers_v02_llamacpp_8", _cmd("DeepSeek-V3", "none", "--weights q4_k_m --cpu-only --host "
+         "xeon_gold_6454s --prompt 500"), field="prefill",
+         note="llama.cpp of February 2025 had no MLA: it expanded DeepSeek's latent KV to 128 full heads, whose "
+              "attention FLOPs our model leaves out (it charges the weights' FLOPs only)"),
     Case("moeinfinity_issue_a5000_mixtral", _cmd("Mixtral-8x7B-v0.1", "rtx_a5000", "--presets load_on_demand "
          "--budget 23GiB"), field="latency", routing="MoE-Infinity caches and prefetches experts: load-on-demand "
          "is its no-hit bound"),

@@ -130,9 +130,16 @@ def _cmd_check_notebooks(args: argparse.Namespace) -> None:
     print("notebooks are clean")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (no usage block) and a non-zero exit."""
+
+    def error(self, message: str):
+        raise SystemExit(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Parse ``argv`` and run the chosen sub-command."""
-    ap = argparse.ArgumentParser(prog="python -m fate_lab", description="fate_lab: offloaded MoE inference lab")
+    """Parse ``argv`` and run the chosen sub-command; a user's error is one line and a non-zero exit."""
+    ap = _OneLineParser(prog="python -m fate_lab", description="fate_lab: offloaded MoE inference lab")
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train an embedded model (tiny -> data/tiny_moe, tiny_deepseek -> data/tiny_deepseek)")
     t.add_argument("--preset", default="tiny", help="tiny (default model), tiny_deepseek, smoke, smoke_deepseek")

@@ -122,3 +122,13 @@ def test_a_placement_and_fit_print_and_json(capsys):
     main(["plan", "--model", "gpt-oss-120b", "--device", "rtx3090", "--fit"])
     out = capsys.readouterr().out
     assert "smallest --n-cpu-moe" in out and "fate_lab engine, same placement" in out
+
+
+@pytest.mark.parametrize("argv,match", [(["plan", "--device", "rtx3090"], "required: --model"),
+                                        (["plan", *QWEN, "--bogus", "1"], "unrecognized arguments: --bogus"),
+                                        (["trace", "--model", "/nonexistent/model"], "does not exist")])
+def test_every_sub_command_reports_a_user_error_in_one_line(capsys, argv, match):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code not in (0, None) and match in str(exc.value.code) and "\n" not in str(exc.value.code)
+    assert capsys.readouterr().err == ""  # no usage block, no traceback
