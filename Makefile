@@ -51,7 +51,7 @@ check-newest:  ## family table + exactness tests on the newest transformers pypr
 	$(NEWEST)/bin/python -m pip install -q -e ".[test]"
 	$(NEWEST)/bin/python -m pip install -q --upgrade "$(TRANSFORMERS)" huggingface_hub
 	@$(NEWEST)/bin/python -c "import transformers; print('check-newest: transformers', transformers.__version__, '(constraints.txt pins', open('constraints.txt').read().split('transformers==')[1].split()[0] + ')')"
-	rc=0; \
+	@rc=0; \
 	OMP_NUM_THREADS=1 $(NEWEST)/bin/python -m scripts.family_table --out $(NEWEST)/families.md --compare docs/families.md || rc=1; \
 	$(NEWEST)/bin/python -m pytest -q -p no:cacheprovider tests/offloading/test_families_runtime.py tests/model/test_families.py || rc=1; \
 	echo "check-newest: full table in $(NEWEST)/families.md; $$( [ $$rc = 0 ] && echo 'nothing broke' || echo 'see BROKEN lines and test failures above')"; \

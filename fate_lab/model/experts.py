@@ -286,14 +286,17 @@ def reference_implementation() -> str:
 
 
 def _stand_in(mod: nn.Module, experts: list[ExpertWeights] | None) -> nn.Module:
-    """A shallow copy of mod (its submodules and attributes shared) that can be dispatched on its own; with
-    `experts`, its expert tensors hold only those (ids 0..n-1), in the module's own layout."""
+    """A copy of mod that can be dispatched on its own on the CPU: with `experts`, its expert tensors hold only
+    those (ids 0..n-1) in the module's own layout and its submodules are CPU copies; without, it shares mod's own
+    (CPU) tensors and submodules. Its other attributes are mod's."""
     probe = copy.copy(mod)
     probe._parameters = dict(mod._parameters)
     if experts is None:
         return probe
+    probe._modules = {n: copy.deepcopy(c).to("cpu") for n, c in mod._modules.items()}  # act_fn, norms: small
     layout = layout_of(mod)
-    stacked = {name: torch.stack([getattr(w, field) for w in experts]) for field, name in layout.tensor_names().items()}
+    stacked = {name: torch.stack([getattr(w, field).to("cpu") for w in experts])
+               for field, name in layout.tensor_names().items()}
     for name in (layout.up_name, "down_proj") if layout.is_transposed else ():
         stacked[name] = stacked[name].transpose(1, 2)  # (n, H, R), (n, I, H): the canonical tensors transposed back
     for name, t in stacked.items():
@@ -325,34 +328,48 @@ def _probe_differs(probe: nn.Module, hidden: torch.Tensor, k: int, dtype: torch.
     return f"max |difference| {float((ref.float() - ours.float()).abs().max()):.3g} (k={k}, weights in {dtype})"
 
 
+# {(experts class, dtype, its eager facts): math_refusal's verdict}: the installed release computes a class the same
+# way for every layer and every call of a process, so each class is probed once
+_VERDICTS: dict[tuple, str | None] = {}
+
+
 def math_refusal(mod: nn.Module, family: str, experts: list[ExpertWeights] | None = None) -> str | None:
     """Why the module's forward, with its experts computed by fate_lab's math (as the runtime computes them), is
-    not what it is with transformers' eager kernel, in the installed release -- compared bit for bit on
+    not what it is with transformers' eager kernel, in the installed release -- compared bit for bit on the CPU, on
     PROBE_TOKENS random tokens routed to experts 0 and 1, with float32 and the module's dtype routing weights --
-    or None.
+    or None. This checks what the release computes (its semantics), not a device's rounding: a module on an
+    accelerator is probed with CPU copies of its first two experts. Each experts class is probed once per process.
 
     experts: the first experts' weights when mod holds none (meta tensors: `load_offloaded` reads them from the
     files); by default mod's own."""
     import transformers
 
     layout = layout_of(mod)
+    key = (type(mod), layout.dtype, eager_facts(type(mod)))
+    if key in _VERDICTS:
+        return _VERDICTS[key]
     n = min(2, layout.num_experts)
+    own = read_expert(mod, 0).gate_up
+    if experts is None and own.is_meta:
+        raise ValueError(f"{layout.experts_class} holds no expert weights (meta tensors): pass experts=[the first "
+                         "two experts' ExpertWeights], e.g. read from its checkpoint (ExpertIndex.read)")
+    if experts is None and own.device.type != "cpu":
+        experts = [read_expert(mod, e) for e in range(n)]
     probe = _stand_in(mod, None if experts is None else experts[:n])
-    device = (experts[0] if experts else read_expert(mod, 0)).gate_up.device
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(PROBE_TOKENS, layout.hidden_size, generator=g).to(device, layout.dtype)  # (T, H)
+    hidden = torch.randn(PROBE_TOKENS, layout.hidden_size, generator=g).to(layout.dtype)  # (T, H)
     weight_dtypes = dict.fromkeys((torch.float32, layout.dtype))  # routers hand the experts either
     try:
         diff = next((d for d in (_probe_differs(probe, hidden, n, t) for t in weight_dtypes) if d), None)
     except (RuntimeError, IndexError, ValueError, TypeError) as err:
         diff = f"its forward fails on the probe: {type(err).__name__}: {str(err)[:160]}"
-    if diff is None:
-        return None
-    return (f"{family}: {layout.experts_class} computes other numbers with fate_lab's expert math than with the eager "
-            f"kernel of the installed transformers {transformers.__version__}, on a probe of {PROBE_TOKENS} tokens "
-            f"({diff}): this release changed how the family computes its experts, and fate_lab refuses rather than "
-            "give other outputs; install the transformers version in fate_lab's constraints.txt, or a fate_lab "
-            "release that supports this one")
+    _VERDICTS[key] = None if diff is None else (
+        f"{family}: {layout.experts_class} computes other numbers with fate_lab's expert math than with the eager "
+        f"kernel of the installed transformers {transformers.__version__}, on a probe of {PROBE_TOKENS} tokens "
+        f"({diff}): this release changed how the family computes its experts, and fate_lab refuses rather than give "
+        "other outputs; install the transformers version in fate_lab's constraints.txt, or a fate_lab release that "
+        "supports this one")
+    return _VERDICTS[key]
 
 
 def check_servable(mod: nn.Module, family: str) -> ExpertLayout:

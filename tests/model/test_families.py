@@ -330,6 +330,21 @@ def test_a_release_that_computes_experts_differently_is_refused_with_the_reason(
     assert model.config._experts_implementation != "fate_offload"
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "muse_spark_text", "nemotron_h"])
+def test_the_probe_on_copies_of_two_experts_agrees_and_still_sees_a_difference(family, monkeypatch):
+    """What a module on an accelerator, or one whose experts stay in the files, is probed with: a CPU stand-in
+    holding copies of its first two experts (transposed and biased layouts, a post-expert norm submodule, an
+    accumulation in another dtype). It passes where the module does, and still sees a changed sum."""
+    monkeypatch.setattr(ex, "_VERDICTS", {})
+    mod = adapt(tiny_model(family, seed=1, dtype=torch.bfloat16)).experts_module(0)
+    two = [read_expert(mod, e).contiguous() for e in range(2)]
+    assert ex.math_refusal(mod, family, two) is None
+    real = ex.eager_facts
+    wrong = {"output": "float32", "float32": "output", "weights": "output"}
+    monkeypatch.setattr(ex, "eager_facts", lambda cls: (wrong[real(cls)[0]], *real(cls)[1:]))
+    assert "max |difference|" in ex.math_refusal(mod, family, two)
+
+
 def test_a_subclass_forward_around_the_dispatched_experts_is_served_exactly(tiny_models):
     """Ergo's layout (transformers 5.25), built here on any release: the experts class wraps the dispatched call in
     a forward of its own -- one row per route, a per-expert norm (a submodule the dispatched kernel never sees),
