@@ -12,7 +12,7 @@ by `load_offloaded` and `load_model` (`checkpoint_probes`); traces, routing arra
 (`trace_probes`); every replacement policy by name and the planned presets `auto` / `auto_quant`
 (`policy_probes`); the sizing tool's command line, `sweep` / `miss_curves` / the simulator's shape checks and a
 1-token prompt's TTFT (`pending_probes`: each names the issue that fixes it, and until that issue lands its
-failures are counted apart, as pending, so a rerun after the merge counts them). Run on a CPU in a minute or two:
+failures are counted apart, as pending, so a rerun after the merge counts them). Run on a CPU in 10-30 s:
 
     python scripts/probe_inputs.py            # prints one line per probe and the counts
 """
@@ -281,13 +281,13 @@ def trace_probes(tmp: Path):
 
 def _trace_with_meta(tmp: Path, meta: str) -> Path:
     """A trace file whose 'fate_lab_trace' metadata is `meta`."""
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from fate_lab import from_routing_array
 
     path = tmp / "meta.safetensors"
     from_routing_array(torch.tensor([[[0, 1]], [[1, 2]]]), num_experts=3).save(path)
-    from safetensors import safe_open
     with safe_open(str(path), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     save_file(tensors, str(path), metadata={"fate_lab_trace": meta})
