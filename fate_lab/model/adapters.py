@@ -298,16 +298,12 @@ class MoEAdapter:
         families `test_kv_bytes_per_token_matches_the_cache` checks; an estimate for the others.
         """
         config, item = self.model.config.get_text_config(), _itemsize(dtype or self.model.dtype)
-        if getattr(config, "kv_lora_rank", None):  # HF caches the compressed latent and the rope key
-            per_layer = config.kv_lora_rank + config.qk_rope_head_dim
-        else:
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-            per_layer = 2 * kv_heads * head_dim  # keys + values
-        types = getattr(config, "layer_types", None)
-        attention = len(self._layers) if not types else sum(
-            1 for t in types if "attention" in str(t) and "linear" not in str(t))
-        return attention * per_layer * item
+        # the cache holds num_hidden_layers layers: LongCat-Flash's decoder layers hold two attention blocks each
+        types = getattr(config, "layer_types", None) or ["attention"] * int(getattr(config, "num_hidden_layers", None)
+                                                                             or len(self._layers))
+        per_layer = getattr(config, "per_layer_config", None)  # a heterogeneous config: each layer's own sizes
+        return item * sum(_kv_per_layer(per_layer[i] if per_layer else config) for i, t in enumerate(types)
+                          if "attention" in str(t) and "linear" not in str(t))
 
     def describe(self) -> dict:
         """A plain summary for notebooks: family, layers, experts, layout, router semantics, bytes."""
@@ -336,6 +332,15 @@ class MoEAdapter:
     def _expert_params(self) -> list[torch.Tensor]:
         """The routed-expert tensors of every MoE layer (weights and biases)."""
         return [p for mod in self._experts for n, p in mod.named_parameters(recurse=False)]
+
+
+def _kv_per_layer(config) -> int:
+    """Elements one token adds to one attention layer's cache: keys + values, or MLA's latent + rope key."""
+    if getattr(config, "kv_lora_rank", None):  # HF caches the compressed latent and the rope key
+        return config.kv_lora_rank + config.qk_rope_head_dim
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * kv_heads * head_dim
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -16,7 +16,6 @@ dequantizer: a checkpoint whose experts are stored quantized is refused, naming 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,28 +25,18 @@ from safetensors import safe_open
 from torch import nn
 
 from fate_lab.model.experts import ExpertWeights, is_experts_module, layout_of
+from fate_lab.model.folder import BadCheckpointFile, read_config, safetensors_keys, weight_files
 
 _EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 _EXPERT_ID = re.compile(r"experts\.(\d+)\.")
 
 
 def checkpoint_files(folder: str | Path) -> dict[str, Path]:
-    """{key: file} over a checkpoint's safetensors files (the index's weight map, else every *.safetensors)."""
-    folder = Path(folder)
-    if folder.is_file():
-        paths = [folder]
-    elif (folder / "model.safetensors.index.json").is_file():
-        names = sorted(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()))
-        paths = [folder / n for n in names]
-    else:
-        paths = sorted(folder.glob("*.safetensors"))
-    if not paths:
-        raise FileNotFoundError(f"no *.safetensors file in {folder}; fate_lab reads safetensors checkpoints only "
-                                "(save the model with save_pretrained)")
+    """{key: file} over a checkpoint's safetensors files (the index's weight map, else every *.safetensors); a
+    file that cannot be read is named (`folder.safetensors_keys`)."""
     out = {}
-    for p in paths:
-        with safe_open(str(p), framework="pt") as f:
-            out.update(dict.fromkeys(f.keys(), p))
+    for p in weight_files(folder):
+        out.update(dict.fromkeys(safetensors_keys(p), p))
     return out
 
 
@@ -171,7 +160,36 @@ class ExpertIndex:
                                 f"{[type(o).__name__ for o in src.converter.operations]}, which mixes experts or "
                                 "dequantizes a quantized format; fate_lab reads one expert only through ops that act "
                                 "on each expert alone: use a checkpoint saved in a float dtype")
-        return cls(model, folder, experts, dense, refusals)
+        index = cls(model, folder, experts, dense, refusals)
+        if not refusals:
+            index._check_complete()
+        return index
+
+    def _check_complete(self) -> None:
+        """BadCheckpointFile naming the routed-expert tensors the checkpoint lacks (a deleted key, a fused tensor
+        with fewer experts than the model), so an incomplete checkpoint is refused when opened, not mid-generation."""
+        gaps = []
+        for m, layout in self._layouts.items():
+            for name in layout.tensor_names().values():
+                src = self._experts.get((m, name))
+                if src is None:
+                    gaps.append(f"every {name} of MoE layer {m}")
+                    continue
+                for file, key in src.whole.values():
+                    with safe_open(str(file), framework="pt") as f:
+                        rows = f.get_slice(key).get_shape()[0]
+                    if rows < layout.num_experts:
+                        gaps.append(f"experts {rows}..{layout.num_experts - 1} of {key} ({file.name} holds {rows} of "
+                                    f"MoE layer {m}'s {layout.num_experts})")
+                patterns = {p for parts in src.per_expert.values() for p in parts}
+                for e in range(layout.num_experts if patterns else 0):
+                    for pattern in sorted(patterns - set(src.per_expert.get(e, {}))):
+                        other = next(parts[pattern][1] for parts in src.per_expert.values() if pattern in parts)
+                        gaps.append(_EXPERT_ID.sub(f"experts.{e}.", other, count=1) + f" (expert {e} of MoE layer {m})")
+        if gaps:
+            raise BadCheckpointFile(f"{self.folder}: the checkpoint lacks {len(gaps)} routed-expert tensor(s) of this "
+                                    f"{self.model.config.model_type!r} model, e.g. {gaps[:3]}: a tensor was deleted or "
+                                    "a shard is missing; re-copy the checkpoint, or re-export it with save_pretrained")
 
     def describe(self, m: int) -> dict[str, str]:
         """{model tensor: where it lives on disk} for MoE layer m, keys shown with {i}/{e} for the numbers."""
@@ -248,6 +266,12 @@ class ExpertIndex:
                 out += [f for f, _ in src.whole.values()] + [f for f, _ in src.per_expert.get(e, {}).values()]
         return list(dict.fromkeys(out))
 
+    def where_dense(self, target: str) -> str:
+        """'file: key, ...' of the checkpoint tensors the dense model tensor `target` is built from."""
+        src = self.dense[target]
+        pairs = list(src.whole.values()) + [fk for keys in src.parts.values() for fk in keys]
+        return f"{', '.join(sorted({f.name for f, _ in pairs}))}: {', '.join(k for _, k in pairs)}"
+
     def dense_tensors(self, target: str) -> dict[str, torch.Tensor]:
         """{model key: tensor} that the checkpoint source of `target` loads into, built as from_pretrained
         builds them (a plain rename, or the converter's own operations, e.g. a split fused projection)."""
@@ -285,29 +309,16 @@ class LoadReport:
     missing: tuple[str, ...]  # non-expert tensors the checkpoint lacks (initialised as from_pretrained does)
 
 
-def _config_of(config) -> "PretrainedConfig":  # noqa: F821 - transformers' type, imported lazily
-    """A PretrainedConfig from itself, a config.json file or a checkpoint folder (local files only)."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(config, PretrainedConfig):
-        return config
-    path = Path(config)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} holds no config.json; give a checkpoint folder, a config.json file or a "
-                                "transformers PretrainedConfig")
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; give a checkpoint folder, a config.json file or a "
-                                "transformers PretrainedConfig")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
-
-
 def _model_class(config):
     """The *ForCausalLM class of config, else its base model class (a text tower)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING):
-        if type(config) in mapping:
-            return mapping[type(config)]
+    from fate_lab.model.families import base_model_class
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if base_model_class(config.model_type) is not None:
+        return base_model_class(config.model_type)
     raise ValueError(f"model_type {config.model_type!r} has no causal-LM or base model class in transformers")
 
 
@@ -316,10 +327,12 @@ def meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
     device: shapes and dtypes, no weights. The routers of its first MoE layers -- up to the first one the gate
     input alone can drive -- are materialised on the CPU with random weights (std 0.25, as `testing.tiny_model`
     does), so that `adapt(model)` can read their semantics off the modules; nothing else holds bytes."""
+    from transformers import PretrainedConfig
+
     from fate_lab.model.adapters import experts_modules
     from fate_lab.model.routers import find_router
 
-    config = _config_of(config)
+    config = config if isinstance(config, PretrainedConfig) else read_config(config)  # a folder or config.json
     with torch.device("meta"):
         model = _model_class(config)._from_config(config, dtype=dtype or getattr(config, "dtype", None)
                                                   or torch.float32)
@@ -350,11 +363,10 @@ def load_without_experts(folder: str | Path, dtype: torch.dtype | None = None,
     The experts stay meta tensors (shape and dtype, no bytes): the model cannot run until an offloading
     runtime serves them (from `ExpertIndex.read`); `model.to(...)` is refused by torch while they are meta.
     """
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     folder = Path(folder)
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    config = read_config(folder)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"{folder}: model_type {config.model_type!r} has no causal-LM class in transformers; "
                          "load_without_experts builds *ForCausalLM models")
@@ -369,8 +381,14 @@ def load_without_experts(folder: str | Path, dtype: torch.dtype | None = None,
     state = {}
     for target in index.dense:
         for key, tensor in index.dense_tensors(target).items():
-            if key in meta_sd:
-                state[key] = tensor.to(device=device, dtype=torch.float32 if key in keep_fp32 else meta_sd[key].dtype)
+            if key not in meta_sd:
+                continue
+            if tensor.shape != meta_sd[key].shape:
+                raise BadCheckpointFile(
+                    f"{folder}: {index.where_dense(target)} has shape {tuple(tensor.shape)}, but the model "
+                    f"that config.json describes needs {tuple(meta_sd[key].shape)} for {key}: config.json and the weights "
+                    "are not the same model; copy config.json from the model the weights came from")
+            state[key] = tensor.to(device=device, dtype=torch.float32 if key in keep_fp32 else meta_sd[key].dtype)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     expert_ids = {id(p) for mod in model.modules() if is_experts_module(mod)

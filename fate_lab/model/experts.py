@@ -2,11 +2,13 @@
 
 What this file is: `ExpertLayout` (what one experts module declares with `@use_experts_implementation`
 — `has_gate`, `has_bias`, `is_transposed`, `is_concatenated`, `has_post_expert_norm` — plus its
-sizes and the few facts its flags do not carry, each named below), `ExpertWeights` (one expert's
-canonical tensors), `read_expert` (one expert out of the fused module tensors), `expert_apply` (what
-transformers' eager experts forward computes for one expert, before the routing weight),
-`combine_experts` (the eager forward's weighted sum, for references and tests) and `expert_refusal`
-(why a module cannot be served, or None).
+sizes and the two facts its flags do not carry, read off the installed release's eager forward by
+`eager_facts`), `ExpertWeights` (one expert's canonical tensors), `read_expert` (one expert out of the
+fused module tensors), `expert_apply` (what transformers' eager experts forward computes for one
+expert, before the routing weight), `combine_experts` (the eager forward's weighted sum), and why a
+module cannot be served: `expert_refusal` (what it holds) and `math_refusal` (fate_lab's math against
+the installed eager forward, bit for bit on a probe: a transformers release that changes a family's
+expert computation is refused with the reason, never computed differently in silence).
 
 What it is not: no routing (`routers.py`), no checkpoint reading (`checkpoint.py`), no movement.
 
@@ -17,6 +19,10 @@ order, so the module's `_apply_gate` works unchanged), R = I without a gate.
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -25,14 +31,32 @@ import torch.nn.functional as F
 from torch import nn
 
 _WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+PROBE_TOKENS = 4  # tokens of `math_refusal`'s probe, routed to experts 0 and 1
 
-# Facts the declared flags do not carry, read off each eager forward of transformers 5.24 (the test
-# `test_named_expert_facts_match_the_eager_source` checks them against the installed source).
-ACCUMULATE_FP32: frozenset[str] = frozenset({  # the eager forward sums the weighted experts in float32
-    "Inkling2Experts", "Inkling2LoopExperts", "OpenAIPrivacyFilterExperts",
-})
-ACCUMULATE_WEIGHT_DTYPE: frozenset[str] = frozenset({"NemotronHExperts"})  # ... in the routing weights' dtype
-COMPUTE_FP32: frozenset[str] = frozenset({"OpenAIPrivacyFilterExperts"})  # each expert computes in float32
+
+def eager_forward(cls: type) -> Callable:
+    """The eager forward the experts interface dispatches for an experts class: the `__wrapped__` original of
+    the forward `@use_experts_implementation` decorated (a subclass may wrap it in a forward of its own)."""
+    for klass in cls.__mro__:
+        forward = klass.__dict__.get("forward")
+        if forward is not None and hasattr(forward, "__wrapped__"):
+            return forward.__wrapped__
+    raise TypeError(f"{cls.__name__} has no forward decorated by transformers' @use_experts_implementation")
+
+
+@functools.lru_cache(maxsize=None)
+def eager_facts(cls: type) -> tuple[str, bool, frozenset[str] | None]:
+    """(accumulate, compute_fp32, the `self.` attributes it reads) of cls's eager forward, read off its source in
+    the installed transformers: accumulate "float32" (`zeros_like(hidden_states, dtype=torch.float32)`),
+    "weights" (`dtype=top_k_weights.dtype`) or "output" (the hidden dtype); compute_fp32 when it multiplies
+    `.float() @`. Without the source: ("output", False, None); `math_refusal` checks the numbers either way."""
+    try:
+        src = inspect.getsource(eager_forward(cls))
+    except (OSError, TypeError):
+        return "output", False, None
+    first = next((line for line in src.splitlines() if "zeros_like(hidden_states" in line), "")
+    accumulate = "float32" if "torch.float32" in first else "weights" if "top_k_weights.dtype" in first else "output"
+    return accumulate, ".float() @" in src, frozenset(re.findall(r"self\.(\w+)", src))
 
 
 @dataclass(frozen=True)
@@ -127,14 +151,14 @@ def layout_of(mod: nn.Module) -> ExpertLayout:
         num = int(mod.num_experts)
         hidden = int(getattr(mod, "hidden_dim", None) or mod.hidden_size)
         inter = int(getattr(mod, "intermediate_dim", None) or mod.intermediate_size)
-    accumulate = "float32" if name in ACCUMULATE_FP32 else "weights" if name in ACCUMULATE_WEIGHT_DTYPE else "output"
+    accumulate, compute_fp32, _ = eager_facts(type(mod))
     return ExpertLayout(
         experts_class=name, num_experts=int(num), hidden_size=int(hidden), intermediate_size=int(inter),
         has_gate=bool(mod.has_gate), has_bias=bool(mod.has_bias), is_transposed=bool(mod.is_transposed),
         is_concatenated=bool(mod.is_concatenated), has_post_expert_norm=bool(mod.has_post_expert_norm),
         custom_gate=getattr(type(mod)._apply_gate, "__name__", "") != "_default_apply_gate", dtype=up.dtype,
         accumulate=accumulate,
-        compute_fp32=name in COMPUTE_FP32,
+        compute_fp32=compute_fp32,
     )
 
 
@@ -162,18 +186,18 @@ def expert_apply(mod: nn.Module, x: torch.Tensor, w: ExpertWeights, post_norm: b
 
     up (+ bias) -> the module's `_apply_gate` (or `act_fn` without a gate) -> down (+ bias) -> the
     module's `post_expert_norm` when declared (post_norm=False leaves it to the caller, e.g. to run it
-    where the module's norm weights live). The routing weight is NOT applied: every eager forward of
-    transformers 5.24 multiplies it after all of this (`combine_experts` does).
+    where the module's norm weights live). The routing weight is NOT applied: the eager forwards multiply it
+    after all of this (`combine_experts` does; `math_refusal` checks it against the installed release).
     """
-    layout = layout_of(mod)
-    if layout.compute_fp32:
+    compute_fp32 = eager_facts(type(mod))[1]  # the class's facts only: the module's tensors may be emptied
+    if compute_fp32:
         x, w = x.float(), w.to(dtype=torch.float32)
     h = _linear(x, w.gate_up, w.gate_up_bias)  # (n, R)
-    h = mod._apply_gate(h) if layout.has_gate else mod.act_fn(h)  # (n, I)
-    if layout.compute_fp32:
+    h = mod._apply_gate(h) if mod.has_gate else mod.act_fn(h)  # (n, I)
+    if compute_fp32:
         h = h.float()
     y = _linear(h, w.down, w.down_bias)  # (n, H)
-    if layout.has_post_expert_norm and post_norm:
+    if mod.has_post_expert_norm and post_norm:
         y = mod.post_expert_norm(y)  # (n, H)
     return y
 
@@ -229,13 +253,123 @@ def expert_refusal(mod: nn.Module, family: str) -> str | None:
     if bad:
         return (f"{family}: {name} stores experts as {bad}, a quantized format fate_lab cannot dequantize; "
                 "load the checkpoint dequantized to bfloat16/float16/float32")
-    children = {n for n, _ in mod.named_children()} - {"act_fn"}
+    used = eager_facts(type(mod))[2]  # a subclass's own forward around the dispatched call runs as model code
+    children = {n for n, _ in mod.named_children() if used is None or n in used} - {"act_fn"}
     if mod.has_post_expert_norm:
         children -= {"post_expert_norm"}
     if children:
         return (f"{family}: {name} has submodules fate_lab does not compute: {sorted(children)}; only act_fn "
                 "and post_expert_norm are part of the expert math it implements")
+    if all(getattr(mod, n).dim() >= 2 and not getattr(mod, n).is_meta for n in need):  # meta: `load_offloaded`
+        return math_refusal(mod, family)  # probes with experts read from the files
     return None
+
+
+class _Dispatch:
+    """A module's config with an experts implementation of its own (the model's config is left as it is)."""
+
+    def __init__(self, config, implementation: str):
+        self._config, self._experts_implementation = config, implementation
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+
+@functools.cache
+def reference_implementation() -> str:
+    """The name under which `combine_experts` is registered in transformers' ExpertsInterface (registered once):
+    a module dispatched to it computes its experts with fate_lab's math, everything around them as its own."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register("fate_reference", lambda self, hidden, idx, w: combine_experts(self, hidden, idx, w))
+    return "fate_reference"
+
+
+def _stand_in(mod: nn.Module, experts: list[ExpertWeights] | None) -> nn.Module:
+    """A copy of mod that can be dispatched on its own on the CPU: with `experts`, its expert tensors hold only
+    those (ids 0..n-1) in the module's own layout and its submodules are CPU copies; without, it shares mod's own
+    (CPU) tensors and submodules. Its other attributes are mod's."""
+    probe = copy.copy(mod)
+    probe._parameters = dict(mod._parameters)
+    if experts is None:
+        return probe
+    probe._modules = {n: copy.deepcopy(c).to("cpu") for n, c in mod._modules.items()}  # act_fn, norms: small
+    layout = layout_of(mod)
+    stacked = {name: torch.stack([getattr(w, field).to("cpu") for w in experts])
+               for field, name in layout.tensor_names().items()}
+    for name in (layout.up_name, "down_proj") if layout.is_transposed else ():
+        stacked[name] = stacked[name].transpose(1, 2)  # (n, H, R), (n, I, H): the canonical tensors transposed back
+    for name, t in stacked.items():
+        probe._parameters[name] = nn.Parameter(t, requires_grad=False)
+    return probe
+
+
+def _probe_differs(probe: nn.Module, hidden: torch.Tensor, k: int, dtype: torch.dtype) -> str | None:
+    """What differs between the module's forward dispatched to transformers' eager kernel and to fate_lab's math,
+    on hidden [T, H] routed to experts 0 and 1 (k per token) with routing weights in dtype; None when bit for bit
+    equal."""
+    T, device = hidden.shape[0], hidden.device
+    g = torch.Generator().manual_seed(k)
+    idx = torch.tensor([[(t + j) % 2 for j in range(k)] for t in range(T)], device=device)  # (T, k)
+    w = (torch.rand(T, k, generator=g) * 0.9 + 0.1).to(device, dtype)  # (T, k)
+    out = {}
+    for implementation in ("eager", reference_implementation()):
+        probe.config = _Dispatch(probe.config, implementation)
+        try:
+            with torch.no_grad():
+                out[implementation] = type(probe).forward(probe, hidden, idx, w)  # (T, H)
+        finally:
+            probe.config = probe.config._config
+    ref, ours = out.values()
+    if ref.shape == ours.shape and ref.dtype == ours.dtype and torch.equal(ref, ours):
+        return None
+    if ref.shape != ours.shape or ref.dtype != ours.dtype:
+        return f"its output is {tuple(ref.shape)} {ref.dtype}, fate_lab's {tuple(ours.shape)} {ours.dtype}"
+    return f"max |difference| {float((ref.float() - ours.float()).abs().max()):.3g} (k={k}, weights in {dtype})"
+
+
+# {(experts class, dtype, its eager facts): math_refusal's verdict}: the installed release computes a class the same
+# way for every layer and every call of a process, so each class is probed once
+_VERDICTS: dict[tuple, str | None] = {}
+
+
+def math_refusal(mod: nn.Module, family: str, experts: list[ExpertWeights] | None = None) -> str | None:
+    """Why the module's forward, with its experts computed by fate_lab's math (as the runtime computes them), is
+    not what it is with transformers' eager kernel, in the installed release -- compared bit for bit on the CPU, on
+    PROBE_TOKENS random tokens routed to experts 0 and 1, with float32 and the module's dtype routing weights --
+    or None. This checks what the release computes (its semantics), not a device's rounding: a module on an
+    accelerator is probed with CPU copies of its first two experts. Each experts class is probed once per process.
+
+    experts: the first experts' weights when mod holds none (meta tensors: `load_offloaded` reads them from the
+    files); by default mod's own."""
+    import transformers
+
+    layout = layout_of(mod)
+    key = (type(mod), layout.dtype, eager_facts(type(mod)))
+    if key in _VERDICTS:
+        return _VERDICTS[key]
+    n = min(2, layout.num_experts)
+    own = read_expert(mod, 0).gate_up
+    if experts is None and own.is_meta:
+        raise ValueError(f"{layout.experts_class} holds no expert weights (meta tensors): pass experts=[the first "
+                         "two experts' ExpertWeights], e.g. read from its checkpoint (ExpertIndex.read)")
+    if experts is None and own.device.type != "cpu":
+        experts = [read_expert(mod, e) for e in range(n)]
+    probe = _stand_in(mod, None if experts is None else experts[:n])
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(PROBE_TOKENS, layout.hidden_size, generator=g).to(layout.dtype)  # (T, H)
+    weight_dtypes = dict.fromkeys((torch.float32, layout.dtype))  # routers hand the experts either
+    try:
+        diff = next((d for d in (_probe_differs(probe, hidden, n, t) for t in weight_dtypes) if d), None)
+    except (RuntimeError, IndexError, ValueError, TypeError) as err:
+        diff = f"its forward fails on the probe: {type(err).__name__}: {str(err)[:160]}"
+    _VERDICTS[key] = None if diff is None else (
+        f"{family}: {layout.experts_class} computes other numbers with fate_lab's expert math than with the eager "
+        f"kernel of the installed transformers {transformers.__version__}, on a probe of {PROBE_TOKENS} tokens "
+        f"({diff}): this release changed how the family computes its experts, and fate_lab refuses rather than give "
+        "other outputs; install the transformers version in fate_lab's constraints.txt, or a fate_lab release that "
+        "supports this one")
+    return _VERDICTS[key]
 
 
 def check_servable(mod: nn.Module, family: str) -> ExpertLayout:

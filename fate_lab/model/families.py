@@ -45,11 +45,29 @@ def experts_interface_families() -> tuple[str, ...]:
     return tuple(out)
 
 
+def base_model_class(model_type: str) -> type | None:
+    """The base (headless) model class of a model type: transformers' auto mapping's, else the class of its
+    modeling module whose `config_class` is the type's and whose name ends in `TextModel` (a text config the
+    auto mapping does not list, e.g. step3p7's `step3p5`); None when neither exists."""
+    import importlib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING, MODEL_MAPPING_NAMES
+
+    config_class = CONFIG_MAPPING[model_type]
+    if model_type in MODEL_MAPPING_NAMES:
+        return MODEL_MAPPING[config_class]
+    module = model_type_to_module_name(model_type)
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    found = [c for name, c in vars(modeling).items() if isinstance(c, type) and name.endswith("TextModel")
+             and getattr(c, "config_class", None) is config_class]
+    return found[0] if found else None
+
+
 @functools.lru_cache(maxsize=1)
 def text_tower_types() -> dict[str, str]:
     """{module: base text model type} for the experts-interface modules without a causal-LM class."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     out = {}
     causal = set(experts_interface_families())
@@ -57,8 +75,9 @@ def text_tower_types() -> dict[str, str]:
         if causal & set(types):
             continue
         # a `*_text` type, or a type whose config holds no sub-configs (not a composite vision-language model)
-        text = [t for t in types if t in MODEL_MAPPING_NAMES and not any(w in t for w in ("vision", "audio", "encoder"))
-                and (t.endswith("_text") or not getattr(CONFIG_MAPPING[t], "sub_configs", None))]
+        text = [t for t in types if not any(w in t for w in ("vision", "audio", "encoder"))
+                and (t.endswith("_text") or not getattr(CONFIG_MAPPING[t], "sub_configs", None))
+                and base_model_class(t) is not None]
         if text:
             out[module] = min(text, key=lambda t: not t.endswith("_text"))  # a `*_text` type first
     return out

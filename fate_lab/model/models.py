@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from fate_lab.model.folder import BadCheckpointFile, read_config
 from fate_lab.paths import EMBEDDED_MODELS, model_dir
 
 # tokenizer files transformers can build a tokenizer from; any one group suffices
@@ -92,13 +93,14 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
                dtype: torch.dtype | str | None = torch.float32, experts_implementation: str | None = None):
     """Load ``(model, tokenizer)`` from a local directory or an embedded model's name; ``None`` means the
     default embedded model (``tiny_moe``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from fate_lab.model.checkpoint import ExpertIndex, checkpoint_files
     from fate_lab.model.families import experts_interface_families
 
     path = model_dir(path)
     _check_model_folder(path)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = read_config(path)
     families = experts_interface_families()
     if config.model_type not in families:
         raise ValueError(f"{path} is a {config.model_type!r} model; fate_lab loads causal-LM MoE families whose "
@@ -110,7 +112,21 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         kwargs["dtype"] = d
     if experts_implementation is not None:
         kwargs["experts_implementation"] = experts_implementation
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    checkpoint_files(path)  # every weight file's header reads: a truncated or corrupt one is named
+    try:  # mismatched sizes are reported below, naming the tensor, rather than as transformers' log table
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True, **kwargs)
+    except RuntimeError as e:
+        raise BadCheckpointFile(f"{path}: transformers could not load these weights into a {config.model_type!r} "
+                                f"model: {str(e).strip().splitlines()[-1]}") from None
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched:
+        ExpertIndex.build(model, path)  # a deleted expert tensor shows as a fused size mismatch: name it instead
+        key, theirs, mine = mismatched[0]
+        raise BadCheckpointFile(f"{path}: the checkpoint's {key} has shape {tuple(theirs)}, but the model that "
+                                f"config.json describes needs {tuple(mine)} ({len(mismatched)} tensor(s) differ): "
+                                "config.json and the weights are not the same model; copy config.json from the model "
+                                "the weights came from")
     missing = sorted(info.get("missing_keys") or [])
     if missing:  # transformers would have initialised them at random: a model that is not the checkpoint
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} of the model's tensors (e.g. {missing[:3]}); "

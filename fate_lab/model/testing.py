@@ -18,10 +18,15 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from fate_lab.model.checkpoint import fp32_names
-from fate_lab.model.families import experts_interface_families, experts_interface_modules, text_tower_types
+from fate_lab.model.families import (
+    base_model_class,
+    experts_interface_families,
+    experts_interface_modules,
+    text_tower_types,
+)
 
 _COMMON = dict(
     vocab_size=128,
@@ -103,6 +108,13 @@ _OVERRIDES: dict[str, dict] = {
     "dots3_note_text": dict(per_layer_config={}, head_dim=24),  # SWA head_dim = qk_nope + qk_rope
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16,
                            indexer_compress_ratio=4),  # its indexed attention has no default sizes
+    # two attention blocks per decoder layer (num_hidden_layers = 2 x num_layers): 2 decoder layers; 2 zero
+    # (identity) experts beside the 8 routed ones, where the default 256 would take nearly every route
+    "longcat_flash": dict(num_hidden_layers=4, zero_expert_num=2),
+    # per-layer lists of layer *indices* (which layer indexes, whose K/V a layer reads) cannot be resampled;
+    # one indexed layer between two sliding ones, each reading its own K/V, and two MoE layers
+    "kolibri1_1": dict(layer_types=["sliding_attention", "indexed_attention", "sliding_attention"], index_layers=[1],
+                       kv_source_layers=[0, 1, 2], mlp_only_layers=[0], index_num_heads=2),
 }
 
 
@@ -176,6 +188,17 @@ def _router_params(model: torch.nn.Module):
                 yield found
 
 
+def _model_class(family: str) -> type:
+    """The *ForCausalLM class of a causal family, else the base text model class of a text tower."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config_class = CONFIG_MAPPING[family]
+    if family in experts_interface_families() or family in _TINY:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
+    return base_model_class(family)
+
+
 def tiny_model(
     family: str, seed: int = 0, dtype: torch.dtype = torch.float32, router_std: float = 0.25, **overrides
 ) -> PreTrainedModel:
@@ -192,8 +215,7 @@ def tiny_model(
     config = tiny_config(family, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        auto = AutoModelForCausalLM if family in experts_interface_families() or family in _TINY else AutoModel
-        model = auto.from_config(config)
+        model = _model_class(family)._from_config(config)
         with torch.no_grad():
             for router in _router_params(model):
                 for p in router.weights:
@@ -234,8 +256,7 @@ def family_status(module: str, types: tuple[str, ...]) -> FamilyStatus:
                                                         f"its model types {list(types)}")
     try:
         with torch.device("meta"):
-            size = sum(p.numel() for p in (AutoModelForCausalLM if causal else AutoModel).from_config(
-                tiny_config(family)).parameters())
+            size = sum(p.numel() for p in _model_class(family)._from_config(tiny_config(family)).parameters())
         if size > MAX_TINY_PARAMS:
             return FamilyStatus(module, family, False, bool(causal), f"the shrunk config still holds {size:,} "
                                 f"parameters (> {MAX_TINY_PARAMS:,}): fields the generic shrink does not know")

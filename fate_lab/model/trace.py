@@ -204,6 +204,10 @@ class Trace:
         if missing:
             raise ValueError(f"{path} is not a complete fate_lab trace: tensors {missing} are missing "
                              f"(a trace holds {list(_REQUIRED)}, optionally {list(_OPTIONAL)})")
+        shape = tuple(tensors["experts"].shape)
+        if len(shape) == 3 and 0 in shape:
+            raise ValueError(f"{path} holds an empty trace: its experts tensor has shape {shape} [tokens, layers, k]; "
+                             "a trace needs at least one token, one MoE layer and k >= 1. Record or save it again")
         opt = {n: (tensors[n].float() if n in tensors else None) for n in _OPTIONAL}
         return Trace(experts=tensors["experts"], token_ids=tensors["token_ids"], phase=tensors["phase"],
                      prompt_id=tensors["prompt_id"], position=tensors["position"], meta=meta, **opt)
@@ -303,6 +307,10 @@ def from_routing_array(routing, num_experts: int | None = None, phase=None, prom
     N, L, k = experts.shape
     if N == 0:
         raise ValueError("routing has 0 tokens: a trace needs at least one token's routing")
+    if L == 0 or k == 0:
+        raise ValueError(f"routing has shape {tuple(experts.shape)}: {'0 layers' if L == 0 else 'k=0 experts per token'}"
+                         "; a routing array is [tokens, layers >= 1, k >= 1] (each token's k expert ids in every MoE "
+                         "layer)")
     if meta is not None and not isinstance(meta, Mapping):
         raise TypeError(f"meta must be a dict (JSON-serialisable), got {type(meta).__name__}")
     meta = dict(meta or {}, source=(meta or {}).get("source", "routing array"))

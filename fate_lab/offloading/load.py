@@ -43,6 +43,25 @@ def _check_dense(model: nn.Module, path: Path) -> None:
                              "checkpoint is corrupt: re-export or re-copy it")
 
 
+def _check_expert_math(model: nn.Module, index) -> None:
+    """NotImplementedError when the installed transformers computes a layer's experts otherwise than fate_lab
+    (`model.experts.math_refusal`, probed with the first experts read from the files: the model holds none)."""
+    from fate_lab.model.adapters import adapt
+    from fate_lab.model.experts import math_refusal
+
+    adapter = adapt(model)
+    probed = set()
+    for m in range(adapter.num_moe_layers):
+        mod = adapter.experts_module(m)
+        if type(mod) in probed:
+            continue
+        probed.add(type(mod))
+        experts = [index.read(m, e) for e in range(min(2, adapter.num_experts))]  # on the CPU, as the probe runs
+        reason = math_refusal(mod, adapter.family, experts)
+        if reason is not None:
+            raise NotImplementedError(f"fate_lab cannot offload MoE layer {m}: {reason}")
+
+
 def load_offloaded(path: str | Path, config: OffloadConfig | None = None, dtype: torch.dtype | str | None = None,
                    device: str | torch.device = "cpu") -> tuple[nn.Module, object, Runtime]:
     """(model, tokenizer or None, runtime): the checkpoint folder's model offloaded per config (default: the `fate`
@@ -74,5 +93,6 @@ def load_offloaded(path: str | Path, config: OffloadConfig | None = None, dtype:
         raise ValueError(f"{path}: the checkpoint lacks {len(report.missing)} non-expert tensors, e.g. "
                          f"{list(report.missing[:3])}; they would run randomly initialised: use the complete checkpoint")
     _check_dense(model, path)
+    _check_expert_math(model, index)
     tokenizer = _tokenizer(path)
     return model, tokenizer, Runtime(model, config, index=index)

@@ -45,8 +45,8 @@ class FamilySupport:
     module: str  # transformers.models.<module>
     family: str | None  # the model type built
     kind: str  # "causal" | "text tower" | "none"
-    verdict: str  # "exact" | "refused" | "wrong" | "not built"
-    reason: str = ""  # why refused / wrong / not built
+    verdict: str  # "exact" | "refused" | "wrong" | "failed" (an error that is not a refusal) | "not built"
+    reason: str = ""  # why refused / wrong / failed / not built
     runs: tuple[str, ...] = ()  # the checks that passed, e.g. "fate@instant", "batch2"
     max_logit_diff: float = 0.0
     layout: dict = field(default_factory=dict)  # the experts layout's flags
@@ -193,6 +193,10 @@ def check_family(module: str, types: tuple[str, ...], seed: int = 1) -> FamilySu
         return FamilySupport(module, family, kind, "refused", str(err), tuple(passed), layout=layout, router=router)
     except AssertionError as err:
         return FamilySupport(module, family, kind, "wrong", str(err), tuple(passed), layout=layout, router=router)
+    except Exception as err:  # noqa: BLE001 - a release can break the runtime anywhere: the table names how
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return FamilySupport(module, family, kind, "failed", f"{type(err).__name__}: {msg}"[:240], tuple(passed),
+                             layout=layout, router=router)
     return FamilySupport(module, family, kind, "exact", "", tuple(passed), worst, layout, router)
 
 
@@ -207,9 +211,9 @@ def support_table(modules: dict[str, tuple[str, ...]] | None = None, progress: b
 
 
 def support_counts(rows: list[FamilySupport]) -> dict[str, int]:
-    """{"modules", "built", "exact", "refused", "wrong", "not built"} over the rows."""
+    """{"modules", "built", "exact", "refused", "wrong", "failed", "not built"} over the rows."""
     out = {"modules": len(rows), "built": sum(r.verdict != "not built" for r in rows)}
-    for v in ("exact", "refused", "wrong", "not built"):
+    for v in ("exact", "refused", "wrong", "failed", "not built"):
         out[v] = sum(r.verdict == v for r in rows)
     return out
 
@@ -234,8 +238,14 @@ def support_markdown(rows: list[FamilySupport], command: str) -> str:
         f"and logits agree within {RTOL:g} (the plain model's default kernel sums in another order), and every "
         "MoE layer's cache counters add up. A text tower (no causal-LM class) runs forward only.",
         "",
+        "Another transformers release: every offload first runs the model's experts module with fate_lab's expert "
+        "math and with the installed release's eager kernel on a probe, bit for bit, and refuses a family whose "
+        "experts the release computes otherwise, with the reason (`model.experts.math_refusal`). "
+        "`make check-newest` reruns this table and the exactness tests on the newest transformers `pyproject.toml` "
+        "allows, in a venv of its own, and names each family it broke (CI runs it as a report).",
+        "",
         f"**{c['modules']} modules: {c['built']} built, {c['exact']} exact, {c['refused']} refused with a reason, "
-        f"{c['wrong']} wrong, {c['not built']} not built.**",
+        f"{c['wrong']} wrong, {c['failed']} failed, {c['not built']} not built.**",
         "",
         "| module | model type | kind | verdict | experts layout | router | max logit diff | reason |",
         "|---|---|---|---|---|---|---|---|",
@@ -258,13 +268,14 @@ def support_readme(rows: list[FamilySupport], command: str) -> str:
     """The README's short form of the table: the counts, then the modules grouped by verdict and experts layout."""
     c = support_counts(rows)
     lines = [f"**{c['modules']} modules: {c['built']} built, {c['exact']} exact, {c['refused']} refused with a reason, "
-             f"{c['wrong']} wrong, {c['not built']} not built** (`{command}`; every row: `docs/families.md`).", "",
+             f"{c['wrong']} wrong, {c['failed']} failed, {c['not built']} not built** (`{command}`; every row: "
+             "`docs/families.md`).", "",
              "| verdict | experts layout | modules |", "|---|---|---|"]
     groups: dict[tuple[str, str], list[str]] = {}
     for r in rows:
         flags = ", ".join(k for k, v in r.layout.items() if v is True) or "-"
         groups.setdefault((r.verdict, flags if r.verdict != "not built" else "-"), []).append(r.module)
-    order = {"exact": 0, "refused": 1, "wrong": 2, "not built": 3}
+    order = {"exact": 0, "refused": 1, "wrong": 2, "failed": 3, "not built": 4}
     for (verdict, flags), mods in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), -len(kv[1]))):
         lines.append(f"| {verdict} | {flags} | {', '.join(sorted(mods))} |")
     return "\n".join(lines) + "\n"

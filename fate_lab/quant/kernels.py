@@ -299,6 +299,12 @@ def quantize(w: torch.Tensor, spec: QuantSpec, name: str | None = None) -> Quant
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"spec={spec!r}: give a QuantSpec (e.g. QuantSpec(4, 64) or QuantSpec.preset('int4')), not "
                         f"a {type(spec).__name__}")
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"quantize takes a torch.Tensor of weights, got a {type(w).__name__}; convert it first "
+                        "(torch.from_numpy(w) for a numpy array)")
+    if not w.dtype.is_floating_point:
+        raise TypeError(f"quantize takes floating-point weights (float32/bfloat16/float16), got dtype {w.dtype}; "
+                        "quantizing ids, masks or codes is meaningless")
     shape = tuple(w.shape)
     _check_shape(shape, spec)
     qmax = 2 ** spec.bits - 1

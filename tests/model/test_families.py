@@ -28,8 +28,10 @@ from fate_lab.model.testing import family_status, tiny_model
 
 FAMILIES = experts_interface_families()  # causal LMs: every one builds and generates here
 # Text towers of modules without a causal-LM class that build here (forward only); the family-table test
-# checks that these, and only these, of `text_tower_types()` build.
-TOWERS = ("mistral4", "muse_spark_text", "openai_privacy_filter", "qwen3_vl_moe_text")
+# checks that these, and only these, of `text_tower_types()` build (step3p5: step3p7's text model, transformers 5.25).
+TOWERS = tuple(t for t in ("diffusion_gemma_text", "mistral4", "muse_spark_text", "openai_privacy_filter",
+                           "qwen3_omni_moe_text", "qwen3_vl_moe_text", "step3p5", "unlimited_ocr_text")
+               if t in text_tower_types().values())
 
 # Routers `select_experts` (the pure model of a router) does not reproduce, each with the reason; the
 # adapter still routes them exactly, by calling the module itself.
@@ -37,6 +39,8 @@ NOT_SELECT_EXPERTS = {
     "deepseek_v4": "scores with the module's own sqrt-softplus (score_fn)",
     "inkling_text": "scores shared experts beside the routed ones (E + shared columns) and returns their gammas",
     "kolibri1": "adds its correction bias to the raw logits, not to the sigmoid scores",
+    "kolibri1_1": "kolibri1's router (transformers 5.25)",
+    "longcat_flash": "scores zero (identity) experts beside the routed ones (E + zero_expert_num columns)",
     "phimoe": "sparsemixer weights (a masked softmax per selected expert), not a renormalised softmax",
     "zaya": "an MLP router with a 'skip' class and balancing biases over E + 1 classes",
 }
@@ -137,12 +141,16 @@ def test_routing_is_the_routers_own_bit_for_bit(built):
 
 def test_routing_reaches_the_experts_call_unchanged(built):
     """The block hands the router's weights and indices to the experts as they are: what the adapter's
-    routing returns is what an offloaded experts call receives."""
-    records = built[3]
+    routing returns is what an offloaded experts call receives. One exception, LongCat-Flash (transformers 5.25):
+    a route to a zero (identity) expert, id >= E, reaches the experts as a weight-0 route to a routed expert."""
+    _, _, adapter, records = built
     for rec in records:
         _, _, (_, weights, indices) = rec["router"]
         (_, idx, w), _ = rec["experts"]
-        assert torch.equal(idx.reshape(indices.shape), indices) and torch.equal(w.reshape(weights.shape), weights)
+        indices, weights = indices.reshape(idx.shape), weights.reshape(w.shape)
+        routed = indices < adapter.num_experts
+        assert torch.equal(idx[routed], indices[routed]) and torch.equal(w[routed], weights[routed])
+        assert bool((w[~routed] == 0).all() and (idx[~routed] < adapter.num_experts).all())
 
 
 def test_host_router_is_an_exact_copy(built):
@@ -191,33 +199,54 @@ def test_select_experts_models_the_router_where_it_claims_to(built):
 
 
 # --- (c) expert math -----------------------------------------------------------------------------
+def _dispatched(model, mod, implementation: str, hidden, idx, w) -> torch.Tensor:
+    """The experts module's own forward (T, H) with its experts computed by `implementation` (what the runtime
+    replaces); a class that wraps the dispatched call in a forward of its own (Ergo) keeps that part."""
+    model.set_experts_implementation(implementation)
+    try:
+        with torch.no_grad():
+            return mod(hidden, idx, w)
+    finally:
+        model.set_experts_implementation("eager")
+
+
+def _per_token(self, hidden, idx, w):
+    """An experts implementation summed token by token: sum_k w_k * expert_apply(x, expert k)."""
+    out = torch.zeros_like(hidden)  # (T, H)
+    for t in range(hidden.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            if 0 <= e < self.num_experts:
+                out[t] += w[t, j] * expert_apply(self, hidden[t:t + 1], read_expert(self, e))[0]
+    return out
+
+
 def test_expert_math_equals_the_eager_experts_call(built):
-    """Bit for bit: combine_experts sums w_k * expert_apply in the eager forward's order and dtype."""
-    family, _, adapter, records = built
+    """Bit for bit: combine_experts sums w_k * expert_apply in the eager forward's order and dtype (reached, as the
+    runtime is, through the module's own forward and the experts interface)."""
+    family, model, adapter, records = built
     for m, rec in enumerate(records):
         (hidden, idx, w), hf_out = rec["experts"]
-        out = combine_experts(adapter.experts_module(m), hidden, idx, w)
+        mod = adapter.experts_module(m)
+        out = _dispatched(model, mod, ex.reference_implementation(), hidden, idx, w)
         assert torch.equal(out, hf_out), f"{family} layer {m}: max diff {(out - hf_out).abs().max()}"
+        if hasattr(type(mod).forward, "__wrapped__"):  # the decorated forward is the module's own: no wrapper
+            assert torch.equal(combine_experts(mod, hidden, idx, w), hf_out)
 
 
 def test_weighted_sum_matches_the_default_kernel(built):
     """Per token, sum_k w_k * expert_apply(x, expert k) equals the experts module under transformers'
     default kernel (grouped_mm on this machine), within fp32 reordering tolerance (rtol 1e-5)."""
+    from transformers.integrations.moe import ExpertsInterface
+
     family, model, adapter, records = built
-    model.set_experts_implementation(None if "grouped_mm" not in ("grouped_mm",) else "grouped_mm")
+    ExpertsInterface.register("test_per_token", _per_token)
     for m, rec in enumerate(records):
         (hidden, idx, w), _ = rec["experts"]
         mod = adapter.experts_module(m)
-        with torch.no_grad():
-            ref = mod(hidden, idx, w)  # (T, H)
-        out = torch.zeros_like(hidden)  # (T, H)
-        for t in range(hidden.shape[0]):
-            for j in range(idx.shape[1]):
-                e = int(idx[t, j])
-                if 0 <= e < adapter.num_experts:
-                    out[t] += w[t, j] * expert_apply(mod, hidden[t:t + 1], read_expert(mod, e))[0]
+        ref = _dispatched(model, mod, "grouped_mm", hidden, idx, w)  # (T, H)
+        out = _dispatched(model, mod, "test_per_token", hidden, idx, w)  # (T, H)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()) + 1e-7, msg=family)
-    model.set_experts_implementation("eager")
 
 
 @pytest.mark.parametrize("family", FAMILIES + TOWERS)
@@ -228,7 +257,9 @@ def test_expert_math_equals_the_eager_experts_call_bf16(family):
     for m, rec in enumerate(_capture(model, adapter, ids)):
         (hidden, idx, w), hf_out = rec["experts"]
         assert hf_out.dtype == torch.bfloat16
-        assert torch.equal(combine_experts(adapter.experts_module(m), hidden, idx, w), hf_out), f"{family} layer {m}"
+        out = _dispatched(model, adapter.experts_module(m), ex.reference_implementation(), hidden, idx, w)
+        assert torch.equal(out, hf_out), f"{family} layer {m}"
+        assert ex.math_refusal(adapter.experts_module(m), family) is None  # the offload-time probe agrees
         args, kwargs, (_, hf_weights, hf_indices) = rec["router"]
         _, weights, indices = adapter.route(m, args[0], **_state_inputs(adapter, m, args, kwargs))
         assert torch.equal(indices, hf_indices.reshape(indices.shape)) and torch.equal(weights, hf_weights.reshape(weights.shape))
@@ -257,22 +288,121 @@ def test_post_expert_norm_layout_matches_transformers_batched_mm():
     assert not torch.allclose(without, ref, atol=1e-3)  # the norm matters here
 
 
-def test_named_expert_facts_match_the_eager_source():
-    """The accumulation/compute dtypes experts.py names are what each eager forward's source says."""
-    import transformers
-
+def test_expert_facts_are_read_off_the_installed_eager_source():
+    """The accumulation/compute dtypes come from each eager forward's own source in the installed transformers, so
+    a release that changes them (Nemotron-H's accumulation did in 5.25) is followed, not remembered."""
+    seen = {}
     for module in experts_interface_modules():
-        mod = __import__(f"transformers.models.{module}.modeling_{module}", fromlist=["_"])
-        for name, cls in vars(mod).items():
-            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and name.endswith("Experts")
-                    and hasattr(cls.forward, "__wrapped__")):  # @use_experts_implementation wraps forward
+        modeling = __import__(f"transformers.models.{module}.modeling_{module}", fromlist=["_"])
+        for name, cls in vars(modeling).items():
+            if not (isinstance(cls, type) and hasattr(cls, "_apply_gate")
+                    and hasattr(cls.__dict__.get("forward"), "__wrapped__")):  # what @use_experts_implementation made
                 continue
             src = inspect.getsource(cls.forward.__wrapped__)
             first = next(line for line in src.splitlines() if "zeros_like" in line)
-            assert ("torch.float32" in first) == (name in ex.ACCUMULATE_FP32), name
-            assert ("top_k_weights.dtype" in first) == (name in ex.ACCUMULATE_WEIGHT_DTYPE), name
-            assert (".float() @" in src) == (name in ex.COMPUTE_FP32), name
-    assert transformers.__version__.startswith("5.")
+            accumulate, compute_fp32, used = ex.eager_facts(cls)
+            assert ("torch.float32" in first) == (accumulate == "float32"), name
+            assert ("top_k_weights.dtype" in first) == (accumulate == "weights"), name
+            assert (".float() @" in src) == compute_fp32 and "down_proj" in used, name
+            seen[name] = accumulate
+    assert len(seen) >= 60
+    assert seen["Inkling2Experts"] == seen["OpenAIPrivacyFilterExperts"] == "float32"
+    assert seen["MixtralExperts"] == "output"
+
+
+def test_a_release_that_computes_experts_differently_is_refused_with_the_reason(monkeypatch):
+    """The offload-time probe compares fate_lab's math with the installed eager kernel bit for bit: when they part
+    (here: fate_lab made to sum a bf16 model in float32, as if a release had changed the eager sum), offload refuses,
+    naming the family, the class, the release and what to do, and takes nothing."""
+    import transformers
+
+    from fate_lab.core.config import OffloadConfig
+    from fate_lab.offloading.runtime import offload
+
+    model = tiny_model("mixtral", seed=0, dtype=torch.bfloat16)
+    assert expert_refusal(adapt(model).experts_module(0), "mixtral") is None
+    real = ex.eager_facts
+    monkeypatch.setattr(ex, "eager_facts", lambda cls: ("float32", *real(cls)[1:]))
+    with pytest.raises(NotImplementedError) as err:
+        offload(model, OffloadConfig.preset("lru", link="instant", slots=2))
+    for part in ("mixtral", "MixtralExperts", transformers.__version__, "max |difference|", "constraints.txt"):
+        assert part in str(err.value)
+    assert model.config._experts_implementation != "fate_offload"
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "muse_spark_text", "nemotron_h"])
+def test_the_probe_on_copies_of_two_experts_agrees_and_still_sees_a_difference(family, monkeypatch):
+    """What a module on an accelerator, or one whose experts stay in the files, is probed with: a CPU stand-in
+    holding copies of its first two experts (transposed and biased layouts, a post-expert norm submodule, an
+    accumulation in another dtype). It passes where the module does, and still sees a changed sum."""
+    monkeypatch.setattr(ex, "_VERDICTS", {})
+    mod = adapt(tiny_model(family, seed=1, dtype=torch.bfloat16)).experts_module(0)
+    two = [read_expert(mod, e).contiguous() for e in range(2)]
+    assert ex.math_refusal(mod, family, two) is None
+    real = ex.eager_facts
+    wrong = {"output": "float32", "float32": "output", "weights": "output"}
+    monkeypatch.setattr(ex, "eager_facts", lambda cls: (wrong[real(cls)[0]], *real(cls)[1:]))
+    assert "max |difference|" in ex.math_refusal(mod, family, two)
+
+
+def test_a_subclass_forward_around_the_dispatched_experts_is_served_exactly(tiny_models):
+    """Ergo's layout (transformers 5.25), built here on any release: the experts class wraps the dispatched call in
+    a forward of its own -- one row per route, a per-expert norm (a submodule the dispatched kernel never sees),
+    then the weighted sum. The runtime replaces only the dispatched kernel, so tokens stay the plain model's."""
+    from helpers import greedy, prompt_ids
+
+    from fate_lab.core.config import OffloadConfig
+    from fate_lab.offloading.runtime import offload
+
+    model = tiny_models("mixtral", seed=4)
+    base = type(adapt(model).experts_module(0))
+
+    class PerRouteNorm(torch.nn.Module):
+        def __init__(self, experts: int, hidden: int):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(experts, hidden) + 0.5)
+
+        def forward(self, x, ids):
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],)) * self.weight[ids]
+
+    class Wrapped(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            k = top_k_index.shape[1]
+            flat = top_k_index.reshape(-1, 1)  # (T*k, 1): one route per row
+            out = super().forward(hidden_states.repeat_interleave(k, dim=0), flat, hidden_states.new_ones(flat.shape))
+            out = self.post_expert_norm(out, flat.flatten()).view(*top_k_index.shape, -1)  # (T, k, H)
+            return (out * top_k_weights.unsqueeze(-1)).sum(1)
+
+    for m in range(adapt(model).num_moe_layers):
+        mod = adapt(model).experts_module(m)
+        mod.__class__ = Wrapped
+        mod.post_expert_norm = PerRouteNorm(mod.num_experts, mod.down_proj.shape[1])
+    assert adapt(model).refusal() is None
+    ids = prompt_ids(model.config.vocab_size)
+    ref_tokens, ref_logits = greedy(model, ids, 6)
+    with offload(model, OffloadConfig.preset("fate", link="instant", slots=3)):
+        tokens, logits = greedy(model, ids, 6)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_submodule_the_dispatched_kernel_uses_is_refused_by_name():
+    """A decorated experts forward that calls a submodule fate_lab does not compute is refused, naming it."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    model = tiny_model("mixtral")
+    mod = adapt(model).experts_module(0)
+    base = type(mod)
+
+    @use_experts_implementation
+    class Scaled(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return self.scale(ex.eager_forward(base)(self, hidden_states, top_k_index, top_k_weights))
+
+    mod.__class__ = Scaled
+    mod.scale = torch.nn.Linear(mod.down_proj.shape[1], mod.down_proj.shape[1])
+    reason = expert_refusal(mod, "mixtral")
+    assert "Scaled" in reason and "['scale']" in reason and "does not compute" in reason
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text", "zaya"])

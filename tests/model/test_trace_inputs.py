@@ -23,6 +23,30 @@ def test_an_empty_routing_array_is_refused_before_it_is_saved():
         from_routing_array(torch.zeros(0, 2, 2, dtype=torch.long), num_experts=4)
 
 
+@pytest.mark.parametrize("shape,says", [((2, 0, 2), "0 layers"), ((2, 2, 0), "k=0 experts per token")])
+def test_a_routing_array_without_layers_or_experts_is_refused(shape, says):
+    with pytest.raises(ValueError, match=rf"routing has shape \({shape[0]}, {shape[1]}, {shape[2]}\): {says}; .*"
+                                         r"\[tokens, layers >= 1, k >= 1\]"):
+        from_routing_array(torch.zeros(shape, dtype=torch.long), num_experts=4)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 2), (3, 0, 2), (3, 2, 0)])
+def test_an_empty_trace_file_is_refused_as_from_routing_array_would(tmp_path, shape):
+    """A file holding 0 tokens (or 0 layers, or k = 0) -- written by hand, since Trace.save of a routing array never
+    writes one -- is refused on load, naming the file and its shape."""
+    from safetensors.torch import save_file
+
+    n = shape[0]
+    tensors = {"experts": torch.zeros(shape, dtype=torch.int64)}
+    tensors.update({k: torch.zeros(n, dtype=torch.int64) for k in ("token_ids", "prompt_id", "position")})
+    tensors["phase"] = torch.ones(n, dtype=torch.int64)
+    path = tmp_path / "empty.safetensors"
+    save_file(tensors, str(path), metadata={"fate_lab_trace": '{"format_version": 1, "num_experts": 4}'})
+    with pytest.raises(ValueError, match=rf"empty\.safetensors holds an empty trace: .*shape {tuple(shape)}".replace(
+            "(", r"\(").replace(")", r"\)")):
+        Trace.load(path)
+
+
 def test_router_weights_of_the_wrong_shape_are_refused_at_once():
     ex = torch.tensor([[[0, 1], [1, 2]]])
     kw = dict(experts=ex, token_ids=torch.zeros(1, dtype=torch.long), phase=torch.ones(1, dtype=torch.long),

@@ -2,6 +2,7 @@
 and what is allowed."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,6 +34,12 @@ CASES = {
     "packed_bits_float": (lambda: packed_nbytes(10, 3.0), TypeError, ("bits", "3.0", "(2, 3, 4, 8)")),
     "quantize_nan": (lambda: quantize(_nan_row(), QuantSpec(4, 64), name="gate"), ValueError,
                      ("'gate'", "1 of 64", "finite")),
+    "quantize_bool": (lambda: quantize(torch.ones(1, 64, dtype=torch.bool), QuantSpec(4, 64)), TypeError,
+                      ("quantize", "torch.bool", "floating-point")),
+    "quantize_int": (lambda: quantize(torch.ones(1, 64, dtype=torch.int32), QuantSpec(4, 64)), TypeError,
+                     ("torch.int32", "floating-point")),
+    "quantize_numpy": (lambda: quantize(np.ones((1, 64), dtype=np.float32), QuantSpec(4, 64)), TypeError,
+                       ("torch.Tensor", "ndarray", "torch.from_numpy")),
     "quantize_huge": (lambda: quantize(torch.full((1, 64), 1e5), QuantSpec(4, 64), name="gate"), ValueError,
                       ("'gate'", "100000", "65504")),
     "routing_float": (lambda: from_routing_array(torch.tensor(OK, dtype=torch.float64), num_experts=4), TypeError,
