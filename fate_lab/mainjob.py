@@ -4,9 +4,10 @@ What it is: the one command that regenerates every figure and table of the suite
 default (``tiny_moe``, then ``tiny_deepseek``) or on the models named, writing executed notebooks into
 ``out/<model>/notebooks``; it then reads each notebook's closing claims back (`study.verdict.Claim`, carried
 as data by `lab.paper_table`), puts the models side by side, writes ``out/paper_vs_ours.md`` and
-``out/verdicts-<mode>.json``, and rewrites the README's results section (between `README_BEGIN` and
-`README_END`) from the same data. ``--tables-only`` executes nothing and rebuilds all of that from the
-notebooks already in ``out``. When both a FAST and a full verdict file are in ``out``, the rows whose verdict
+``out/verdicts-<mode>.json``, and from the same data rewrites the results page, ``docs/results.md`` (every
+row, between `RESULTS_BEGIN` and `RESULTS_END`), and the README's headline (the verdict counts per notebook,
+between `HEADLINE_BEGIN` and `HEADLINE_END`). ``--tables-only`` executes nothing and rebuilds all of that from
+the notebooks already in ``out``. When both a FAST and a full verdict file are in ``out``, the rows whose verdict
 words differ between the two are printed.
 What it is not: a place for analysis; each notebook calls the package.
 """
@@ -19,9 +20,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-README_BEGIN = "<!-- results:begin (written by `python -m fate_lab main`; edits inside are overwritten) -->"
-README_END = "<!-- results:end -->"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+RESULTS = ROOT / "docs" / "results.md"
+RESULTS_BEGIN = "<!-- results:begin (written by `python -m fate_lab main`; edits inside are overwritten) -->"
+RESULTS_END = "<!-- results:end -->"
+HEADLINE_BEGIN = "<!-- results-headline:begin (written by `python -m fate_lab main`; edits inside are overwritten) -->"
+HEADLINE_END = "<!-- results-headline:end -->"
 
 
 def _last_code_outputs(path: Path) -> list[dict]:
@@ -120,50 +125,98 @@ def _claims(entry) -> list | None:
     return None if entry is None else [Claim.from_dict(c) for c in entry["claims"]]
 
 
-def readme_section(data: dict) -> str:
-    """The README's results section from verdict data (`collect`): per notebook, the paper's number or our target
+def _models(data: dict) -> list[str]:
+    return sorted({m for nb in data["notebooks"].values() for m in nb}, key=lambda m: (m != "tiny_moe", m))
+
+
+def _mode(data: dict) -> str:
+    return {True: "FAST mode (the tests' sizes)", False: "full size", None: "mixed modes"}[data.get("fast")]
+
+
+def _rows(data: dict, stem: str) -> list[dict[str, str]]:
+    entry = data["notebooks"][stem]
+    return side_by_side({m: _claims(entry.get(m)) for m in _models(data)})
+
+
+def verdict_counts(data: dict) -> dict[str, dict[str, int]]:
+    """Per notebook of verdict data (`collect`), how many rows of each model got each verdict."""
+    out: dict[str, dict[str, int]] = {}
+    for stem in data["notebooks"]:
+        counts = out.setdefault(stem, {})
+        for r in _rows(data, stem):
+            for m in _models(data):
+                v = r[f"verdict ({m})"]
+                if v != "—":
+                    counts[v] = counts.get(v, 0) + 1
+    return out
+
+
+def _total(counts: dict[str, dict[str, int]]) -> str:
+    total: dict[str, int] = {}
+    for per in counts.values():
+        for v, n in per.items():
+            total[v] = total.get(v, 0) + n
+    return ", ".join(f"{n} {v}" for v, n in sorted(total.items()))
+
+
+def results_section(data: dict) -> str:
+    """The results page's section from verdict data (`collect`): per notebook, the paper's number or our target
     beside each model's number and verdict, then the reason of every row that does not agree."""
     from fate_lab.study.verdict import AGREES
 
-    mode = {True: "FAST mode (the tests' sizes)", False: "full size", None: "mixed modes"}[data.get("fast")]
-    models = sorted({m for nb in data["notebooks"].values() for m in nb}, key=lambda m: (m != "tiny_moe", m))
-    counts = {}
-    parts = [f"What `python -m fate_lab main` printed on {data['date']} ({mode}; {data['machine']}). Every verdict "
-             "is computed from the numbers in the row (`fate_lab/study/verdict.py`); `python -m fate_lab main "
+    models = _models(data)
+    parts = [f"What `python -m fate_lab main` printed on {data['date']} ({_mode(data)}; {data['machine']}). Every "
+             "verdict is computed from the numbers in the row (`fate_lab/study/verdict.py`); `python -m fate_lab main "
              "--tables-only` rewrites this section from the executed notebooks in `results/`. Speed rows are one run "
-             "on a shared machine: their spread is in the row where it was measured.", ""]
-    for stem, entry in data["notebooks"].items():
-        tables = {m: _claims(entry.get(m)) for m in models}
-        rows = side_by_side(tables)
+             "on a shared machine: their spread is in the row where it was measured.",
+             f"In all: {_total(verdict_counts(data))}.", ""]
+    for stem in data["notebooks"]:
+        rows = _rows(data, stem)
         if not rows:
             continue
         parts.append(f"**{stem}**\n")
         view = [{"quantity": r["quantity"], "paper or target": r["paper or target"],
                  **{m: f"{r[m]} — {r[f'verdict ({m})']}" for m in models}} for r in rows]
         parts.append(markdown(view))
-        notes = []
-        for r in rows:
-            for m in models:
-                v = r[f"verdict ({m})"]
-                counts[v] = counts.get(v, 0) + 1
-                if v not in (AGREES, "—"):
-                    notes.append(f"- *{r['quantity']}*, `{m}`: {v}: {r[f'why ({m})']}")
+        notes = [f"- *{r['quantity']}*, `{m}`: {r[f'verdict ({m})']}: {r[f'why ({m})']}"
+                 for r in rows for m in models if r[f"verdict ({m})"] not in (AGREES, "—")]
         parts += ["", *notes, ""]
-    total = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()) if v != "—")
-    parts.insert(1, f"In all: {total}.")
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write_readme(section: str, readme: Path = README) -> Path:
-    """Replace what lies between the README's results markers with `section` (the markers must be there)."""
-    text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        raise ValueError(f"{readme} has no results markers ({README_BEGIN!r} ... {README_END!r}): add them where the "
-                         "results section belongs")
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    readme.write_text(f"{head}{README_BEGIN}\n{section}{README_END}{tail}")
-    return readme
+def headline(data: dict) -> str:
+    """The README's headline from the same verdict data: the date, the machine, the verdict counts in all and per
+    notebook, and the link to every row."""
+    from fate_lab.study.verdict import AGREES, DISAGREES, NOT_COMPARABLE
+
+    counts = {stem: per for stem, per in verdict_counts(data).items() if per}
+    words = (AGREES, DISAGREES, NOT_COMPARABLE)
+    lines = [f"What `python -m fate_lab main` printed on {data['date']} ({_mode(data)}; {data['machine']}), over "
+             f"the closing tables of {len(counts)} notebooks on {' and '.join(f'`{m}`' for m in _models(data))}: "
+             f"**{_total(counts)}**. Every verdict is computed from the numbers in its row; every row, with the "
+             "reason of each that does not agree: [docs/results.md](docs/results.md).", "",
+             "| notebook | " + " | ".join(words) + " |", "|---|" + "---|" * len(words)]
+    lines += [f"| {stem} | " + " | ".join(str(per.get(w, 0)) for w in words) + " |" for stem, per in counts.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_between(path: Path, begin: str, end: str, text: str) -> Path:
+    """Replace what lies between the markers `begin` and `end` of a markdown file with `text` (both must be there)."""
+    doc = path.read_text()
+    if doc.count(begin) != 1 or doc.count(end) != 1 or doc.index(begin) > doc.index(end):
+        raise ValueError(f"{path} has not one pair of markers {begin!r} ... {end!r}: add them where this section "
+                         "belongs")
+    head, rest = doc.split(begin, 1)
+    path.write_text(f"{head}{begin}\n{text}{rest[rest.index(end):]}")
+    return path
+
+
+def write_results(data: dict, results: Path | None = RESULTS, readme: Path | None = README) -> None:
+    """Write the results page's section and the README's headline from one verdict data (either may be None)."""
+    if results is not None:
+        write_between(results, RESULTS_BEGIN, RESULTS_END, results_section(data))
+    if readme is not None:
+        write_between(readme, HEADLINE_BEGIN, HEADLINE_END, headline(data))
 
 
 def verdict_changes(a: dict, b: dict) -> list[str]:
@@ -183,10 +236,11 @@ def verdict_changes(a: dict, b: dict) -> list[str]:
 
 
 def run_main(out: Path, models: list[str] | None = None, fast: bool = False, tables_only: bool = False,
-             readme: Path | None = README) -> Path:
+             results: Path | None = RESULTS, readme: Path | None = README) -> Path:
     """Execute every notebook for each model into ``out/<model>/notebooks`` (or, ``tables_only``, read the ones
-    already there), then write the side-by-side tables, the verdict data and (unless this is a FAST run, or
-    ``readme`` is None) the README's results section; returns the markdown file of the tables. Every notebook of
+    already there), then write the side-by-side tables, the verdict data and (unless this is a FAST run) the
+    results page and the README's headline (`write_results`; None skips either); returns the markdown file of the
+    tables. Every notebook of
     one run shares one calibration of this machine (`study.clock`, through ``$FATE_LAB_RUN_DIR``)."""
     from fate_lab.paths import EMBEDDED_MODELS, model_name
     from fate_lab.study.clock import RUN_DIR_ENV
@@ -239,9 +293,11 @@ def run_main(out: Path, models: list[str] | None = None, fast: bool = False, tab
     summary.write_text(f"# Paper vs ours, {', '.join(names)}\n\nWritten by `python -m fate_lab main`"
                        f"{' --fast' if fast else ''}{' --tables-only' if tables_only else ''}; executed notebooks "
                        f"in {out}/<model>/notebooks.\n\n" + "\n".join(sections))
-    if readme is not None and (tables_only or not fast):
-        write_readme(readme_section(data), readme)
-        print(f"[fate_lab] README results section rewritten from {out}/verdicts-{mode}.json")
+    if tables_only or not fast:
+        write_results(data, results, readme)
+        written = " and ".join(str(p) for p in (results, readme) if p is not None)
+        if written:
+            print(f"[fate_lab] {written} rewritten from {out}/verdicts-{mode}.json")
     if (out / "verdicts-fast.json").is_file() and (out / "verdicts-full.json").is_file():
         changes = verdict_changes(json.loads((out / "verdicts-fast.json").read_text()),
                                   json.loads((out / "verdicts-full.json").read_text()))
@@ -252,5 +308,6 @@ def run_main(out: Path, models: list[str] | None = None, fast: bool = False, tab
     return summary
 
 
-__all__ = ["README_BEGIN", "README_END", "collect", "final_claims", "final_rows", "machine", "markdown",
-           "readme_section", "run_main", "side_by_side", "verdict_changes", "write_readme"]
+__all__ = ["HEADLINE_BEGIN", "HEADLINE_END", "README", "RESULTS", "RESULTS_BEGIN", "RESULTS_END", "collect",
+           "final_claims", "final_rows", "headline", "machine", "markdown", "results_section", "run_main",
+           "side_by_side", "verdict_changes", "verdict_counts", "write_between", "write_results"]

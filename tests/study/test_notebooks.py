@@ -189,7 +189,7 @@ def test_paper_table_takes_only_claims():
         lab.paper_table([("recall", "78.79%", "70%", "close")])
 
 
-# --- the main job's side-by-side tables and README section (hand examples)
+# --- the main job's side-by-side tables, results page and README headline (hand examples)
 
 def _claims(hit: float, cosine: float):
     from fate_lab.study import verdict
@@ -231,34 +231,40 @@ def test_claims_travel_through_an_executed_notebook_unchanged(tmp_path):
     assert back == claims and meta == {"fast": True}
 
 
-def test_readme_section_is_written_between_the_markers_from_the_verdict_data(tmp_path):
-    from fate_lab.mainjob import README_BEGIN, README_END, collect, readme_section, write_readme
+def test_results_page_and_readme_headline_are_written_between_their_markers_from_one_verdict_data(tmp_path):
+    from fate_lab.mainjob import (HEADLINE_BEGIN, HEADLINE_END, RESULTS_BEGIN, RESULTS_END, collect, headline,
+                                  results_section, write_results)
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     data = collect({"tiny_moe": {"01_x": _executed(tmp_path / "a", _claims(0.8, 0.9))},
                     "tiny_deepseek": {"01_x": _executed(tmp_path / "b", _claims(0.985, 0.7))}})
-    section = readme_section(data)
+    section = results_section(data)
     assert "FAST mode" in section and "| hit rate | 99% | 80.0% — disagrees | 98.5% — agrees |" in section
     assert "- *cosine*, `tiny_deepseek`: disagrees: 18.0 points below 88%, outside ±5 points" in section
     assert "In all: 2 agrees, 2 disagrees." in section
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# t\n\nbefore\n{README_BEGIN}\nold text\n{README_END}\nafter\n")
-    write_readme(section, readme)
-    text = readme.read_text()
-    assert text.startswith("# t\n\nbefore\n") and text.endswith(f"{README_END}\nafter\n")
-    assert "old text" not in text and section in text
+    short = headline(data)  # by hand: hit rate disagrees / agrees, cosine agrees / disagrees
+    assert "on `tiny_moe` and `tiny_deepseek`: **2 agrees, 2 disagrees**" in short and "(docs/results.md)" in short
+    assert "| 01_x | 2 | 2 | 0 |" in short.splitlines()
+    results, readme = tmp_path / "results.md", tmp_path / "README.md"
+    results.write_text(f"# r\n\nbefore\n{RESULTS_BEGIN}\nold rows\n{RESULTS_END}\nafter\n")
+    readme.write_text(f"# t\n{HEADLINE_BEGIN}\nold counts\n{HEADLINE_END}\nafter\n")
+    write_results(data, results, readme)
+    page, front = results.read_text(), readme.read_text()
+    assert page == f"# r\n\nbefore\n{RESULTS_BEGIN}\n{section}{RESULTS_END}\nafter\n"
+    assert front == f"# t\n{HEADLINE_BEGIN}\n{short}{HEADLINE_END}\nafter\n"
     readme.write_text("no markers")
-    with pytest.raises(ValueError, match="no results markers"):
-        write_readme(section, readme)
+    with pytest.raises(ValueError, match="README.md has not one pair of markers"):
+        write_results(data, None, readme)
+    assert readme.read_text() == "no markers"
 
 
-def test_the_committed_readme_has_the_results_markers():
-    from fate_lab.mainjob import README, README_BEGIN, README_END
+def test_the_committed_pages_have_the_results_markers():
+    from fate_lab.mainjob import HEADLINE_BEGIN, HEADLINE_END, README, RESULTS, RESULTS_BEGIN, RESULTS_END
 
-    text = README.read_text()
-    assert text.count(README_BEGIN) == 1 and text.count(README_END) == 1
-    assert text.index(README_BEGIN) < text.index(README_END)
+    for path, begin, end in ((RESULTS, RESULTS_BEGIN, RESULTS_END), (README, HEADLINE_BEGIN, HEADLINE_END)):
+        text = path.read_text()
+        assert text.count(begin) == 1 and text.count(end) == 1 and text.index(begin) < text.index(end), path
 
 
 def test_verdict_changes_between_two_runs(tmp_path):
@@ -319,5 +325,5 @@ def test_the_main_job_gives_the_kernels_an_absolute_run_folder(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(nbmod, "run_notebook", fake)
     with pytest.raises(Stop):
-        run_main(Path("results"), models=["tiny_moe"], readme=None)
+        run_main(Path("results"), models=["tiny_moe"], results=None, readme=None)
     assert seen == [str((tmp_path / "results" / ".run").resolve())]
