@@ -4,8 +4,10 @@ Run: `OMP_NUM_THREADS=1 python -m scripts.family_table --out docs/families.md --
 For every modeling module of the installed transformers whose experts use its experts interface it builds a
 tiny random model, offloads it under the presets of `fate_lab.offloading.support.RUNS` and a left-padded
 batch, compares tokens and logits with the plain model, and writes one row per module (exact / refused and
-why / wrong / failed / not built) with the counts on top. `tests/offloading/test_families_runtime.py` asserts
-on the same rows (`check_family`), so the table and the test cannot disagree.
+why / wrong / failed / not built) with the counts and the modules grouped by experts layout on top;
+`--readme` puts the counts line in the README, between its family markers.
+`tests/offloading/test_families_runtime.py` asserts on the same rows (`check_family`), so the table and the test
+cannot disagree.
 
 `--compare docs/families.md` (what `make check-newest` runs against the newest transformers `pyproject.toml`
 allows) also says, module by module, what the installed release changed against that table: which families it
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     (with --compare) if the installed release broke a family the table says is exact."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/families.md"), help="markdown file to write")
-    parser.add_argument("--readme", type=Path, default=None, help="also rewrite this README's family section")
+    parser.add_argument("--readme", type=Path, default=None, help="also rewrite the counts line between this README's family markers")
     parser.add_argument("--compare", type=Path, default=None,
                         help="a family table written here before (e.g. docs/families.md): report what changed")
     args = parser.parse_args(argv)

@@ -219,10 +219,10 @@ def support_counts(rows: list[FamilySupport]) -> dict[str, int]:
 
 
 def support_markdown(rows: list[FamilySupport], command: str) -> str:
-    """The family table as markdown: counts, then one row per modeling module."""
+    """The family table as markdown: counts, the modules grouped by verdict and experts layout, then one row per
+    modeling module."""
     import transformers
 
-    c = support_counts(rows)
     runs = ", ".join(f"`{n}` ({o['link']})" for n, o in RUNS)
     lines = [
         "# Families the offloaded runtime serves",
@@ -244,8 +244,11 @@ def support_markdown(rows: list[FamilySupport], command: str) -> str:
         "`make check-newest` reruns this table and the exactness tests on the newest transformers `pyproject.toml` "
         "allows, in a venv of its own, and names each family it broke (CI runs it as a report).",
         "",
-        f"**{c['modules']} modules: {c['built']} built, {c['exact']} exact, {c['refused']} refused with a reason, "
-        f"{c['wrong']} wrong, {c['failed']} failed, {c['not built']} not built.**",
+        f"**{_counts_line(rows)}.**",
+        "",
+        *support_layouts(rows),
+        "",
+        "Every module:",
         "",
         "| module | model type | kind | verdict | experts layout | router | max logit diff | reason |",
         "|---|---|---|---|---|---|---|---|",
@@ -264,13 +267,15 @@ README_BEGIN = "<!-- families:begin (written by `python -m scripts.family_table`
 README_END = "<!-- families:end -->"
 
 
-def support_readme(rows: list[FamilySupport], command: str) -> str:
-    """The README's short form of the table: the counts, then the modules grouped by verdict and experts layout."""
+def _counts_line(rows: list[FamilySupport]) -> str:
     c = support_counts(rows)
-    lines = [f"**{c['modules']} modules: {c['built']} built, {c['exact']} exact, {c['refused']} refused with a reason, "
-             f"{c['wrong']} wrong, {c['failed']} failed, {c['not built']} not built** (`{command}`; every row: "
-             "`docs/families.md`).", "",
-             "| verdict | experts layout | modules |", "|---|---|---|"]
+    return (f"{c['modules']} modules: {c['built']} built, {c['exact']} exact, {c['refused']} refused with a reason, "
+            f"{c['wrong']} wrong, {c['failed']} failed, {c['not built']} not built")
+
+
+def support_layouts(rows: list[FamilySupport]) -> list[str]:
+    """The modules grouped by verdict and experts layout, as the lines of a markdown table."""
+    lines = ["| verdict | experts layout | modules |", "|---|---|---|"]
     groups: dict[tuple[str, str], list[str]] = {}
     for r in rows:
         flags = ", ".join(k for k, v in r.layout.items() if v is True) or "-"
@@ -278,7 +283,13 @@ def support_readme(rows: list[FamilySupport], command: str) -> str:
     order = {"exact": 0, "refused": 1, "wrong": 2, "failed": 3, "not built": 4}
     for (verdict, flags), mods in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), -len(kv[1]))):
         lines.append(f"| {verdict} | {flags} | {', '.join(sorted(mods))} |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def support_readme(rows: list[FamilySupport], command: str) -> str:
+    """The README's line of the table: the counts, the command, and the link to the modules and every row."""
+    return (f"**{_counts_line(rows)}** (`{command}`; the modules by experts layout, and every row: "
+            "[docs/families.md](docs/families.md)).\n")
 
 
 def write_readme_table(section: str, readme) -> None:
