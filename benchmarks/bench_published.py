@@ -9,8 +9,8 @@ calibrated constant again from its one figure (bisection, the others fixed) and 
 value: a constant that drifts from its source shows here. Where the separate `moe-fit` package answers the same
 deployment offline (given a python that has it: `--moefit-python`), its storage-bound range is put beside ours.
 
-    python -m benchmarks.bench_published            # writes docs/published_vs_predicted.md, and the summary
-                                                    # line and a --fit run into README.md and docs/sizing.md
+    python -m benchmarks.bench_published            # writes docs/published_vs_predicted.md, the summary line
+                                                    # into README.md and docs/sizing.md, a --fit run into the latter
     python -m benchmarks.bench_published --calibrate
 """
 from __future__ import annotations
