@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     (with --compare) if the installed release broke a family the table says is exact."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/families.md"), help="markdown file to write")
-    parser.add_argument("--readme", type=Path, default=None, help="also rewrite the counts line between this README's family markers")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="also rewrite the counts line between this README's family markers")
     parser.add_argument("--compare", type=Path, default=None,
                         help="a family table written here before (e.g. docs/families.md): report what changed")
     args = parser.parse_args(argv)

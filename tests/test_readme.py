@@ -43,7 +43,8 @@ def _pages() -> dict[Path, str]:
         if page in seen:
             continue
         seen[page] = page.read_text()
-        todo += [f for f, _ in _local_links(page, seen[page]) if f.suffix == ".md" and f.is_file() and ROOT in f.parents]
+        todo += [f for f, _ in _local_links(page, seen[page])
+                 if f.suffix == ".md" and f.is_file() and ROOT in f.parents]
     return seen
 
 
