@@ -48,7 +48,11 @@ def _generate(model, ids, n):
 def _timed(model, ids, n) -> tuple[torch.Tensor, float]:
     """Tokens and decode tok/s (from the forward hook times: TTFT excluded)."""
     ends: list[float] = []
-    h = model.register_forward_hook(lambda *_: (torch.cuda.synchronize(), ends.append(time.perf_counter())))
+    def stamp(*_) -> None:  # a forward hook that returns anything but None replaces the model's output
+        torch.cuda.synchronize()
+        ends.append(time.perf_counter())
+
+    h = model.register_forward_hook(stamp)
     try:
         out = _generate(model, ids, n)
     finally:

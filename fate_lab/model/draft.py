@@ -25,5 +25,6 @@ def load_draft(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         raise FileNotFoundError(f"no draft model at {path} (missing {', '.join(missing)}); train one with "
                                 f"`python -m fate_lab train-draft --minutes 12` (or pass the folder of another draft)")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True, dtype=dtype,
+                                                 use_kernels=False)  # no Hub kernels: offline, plain math
     return model.eval(), tokenizer

@@ -107,7 +107,9 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
                          f"transformers modeling uses the experts interface: {', '.join(families)}")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)  # before the weights: fails fast
     _check_tokenizer(tokenizer, path)
-    kwargs = {"local_files_only": True, "use_safetensors": True}
+    # use_kernels=False: transformers >= 5.25 otherwise swaps layers for kernels fetched from the Hugging Face Hub
+    # (a download at run time, and math other than the modeling file's that the exactness contract is checked on)
+    kwargs = {"local_files_only": True, "use_safetensors": True, "use_kernels": False}
     if (d := resolve_dtype(dtype)) is not None:
         kwargs["dtype"] = d
     if experts_implementation is not None:

@@ -99,3 +99,10 @@ def test_nan_weights_are_refused_naming_the_tensor(tmp_path):
     del tensors
     with pytest.raises(ValueError, match=rf"parameter '{bad}'.*holds 2 non-finite values.*first at index \(7, 11\)"):
         load_model(folder)
+
+
+def test_no_hub_kernels_replace_the_modeling_files_layers():
+    # transformers >= 5.25 kernelizes a loaded model by default (layers swapped for kernels from the Hub: a download,
+    # and other math than the exactness tests check); the loaders turn that off
+    model, _ = load_model(None)
+    assert model.use_kernels is False
