@@ -163,7 +163,9 @@ def _widget_table(page, marker: str) -> list[list[str]]:
 def _dropdown(page, cell: str, label: str):
     """The dropdown labelled `label` of the explorer in the code cell containing `cell`, scrolled into view."""
     _show_cell(page, cell)
-    select = page.get_by_label(label, exact=True)
+    code = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell").filter(
+        has=page.locator(".jp-InputArea-editor", has_text=cell))
+    select = code.get_by_label(label, exact=True)  # that cell's own: two explorers of a notebook may share a label
     select.scroll_into_view_if_needed()
     return select
 
