@@ -41,6 +41,7 @@ import torch
 from fate_lab.core.config import OffloadConfig
 from fate_lab.core.driver import scaling_bytes
 from fate_lab.core.shape import ModelShape
+from fate_lab.extras import need
 from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.profiles import COMPUTE_PROFILES
@@ -257,7 +258,7 @@ def eap_margins(vs: pd.DataFrame) -> pd.DataFrame:
 
 def plot_decomposition(df: pd.DataFrame, model: str | None = None, precision: str = "fp"):
     """Stacked log2 factors per regime (one panel per cache share, ratios along x), the total as a black dot."""
-    import matplotlib.pyplot as plt
+    plt = need("matplotlib.pyplot")
 
     sub = df[(df["precision"] == precision) & ((df["model"] == model) if model is not None else True)]
     shares = sorted(sub["cached"].unique())

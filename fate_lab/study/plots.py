@@ -5,11 +5,13 @@ What it is not: a place that computes metrics; a figure never derives a number o
 """
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import pandas as pd
-import seaborn as sns
 import torch
 
+from fate_lab.extras import need
+
+plt = need("matplotlib.pyplot")
+sns = need("seaborn")
 sns.set_theme(context="notebook", style="whitegrid")
 
 # Legend text for the column names the analysis tables use (anything else: underscores become spaces)
