@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from fate_lab.model.adapters import adapt
 from fate_lab.hardware.setups import resolve_link
+from fate_lab.model.adapters import adapt
 from fate_lab.offloading.runtime import OffloadConfig, calibrate_layer_time, offload
 from fate_lab.policy.planner import plan_from_slots
 

@@ -96,7 +96,7 @@ def _markdown(df) -> list[str]:
     out = ["| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
     for row in df.itertuples(index=False):
         cells = []
-        for c, v in zip(cols, row):
+        for c, v in zip(cols, row, strict=True):
             if c == "cached":
                 cells.append(f"{v:.0%}")
             elif isinstance(v, float):

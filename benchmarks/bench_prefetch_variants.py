@@ -20,15 +20,15 @@ import time
 
 import torch
 
-from fate_lab.model.adapters import adapt
-from fate_lab.model.record import record_trace
 from fate_lab.core.config import OffloadConfig
-from fate_lab.hardware.links import LinkProfile
-from fate_lab.policy.rules import TopK
+from fate_lab.core.shape import ModelShape
 from fate_lab.fit.calibrate import calibrate_compute
+from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.profiles import COMPUTE_PROFILES
 from fate_lab.hardware.setups import Hardware
-from fate_lab.core.shape import ModelShape
+from fate_lab.model.adapters import adapt
+from fate_lab.model.record import record_trace
+from fate_lab.policy.rules import TopK
 from fate_lab.sim.simulate import simulate
 
 RATIOS = [0.25, 0.5, 1.0, 2.0, 2.9, 4.0]

@@ -24,11 +24,11 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = ap.parse_args(argv)
-    from fate_lab.model.adapters import adapt
     from fate_lab.core.config import OffloadConfig
-    from fate_lab.sim.replay import replay
-    from fate_lab.hardware.setups import Hardware
     from fate_lab.core.shape import ModelShape
+    from fate_lab.hardware.setups import Hardware
+    from fate_lab.model.adapters import adapt
+    from fate_lab.sim.replay import replay
     from fate_lab.sim.simulate import simulate
     from fate_lab.study.lab import get_trace, load
 

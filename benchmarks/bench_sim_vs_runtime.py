@@ -21,13 +21,13 @@ import time
 
 import torch
 
-from fate_lab.model.adapters import adapt
-from fate_lab.model.record import record_trace
 from fate_lab.core.config import OffloadConfig
-from fate_lab.offloading.runtime import calibrate_layer_time, offload
+from fate_lab.core.shape import ModelShape
 from fate_lab.fit.calibrate import calibrate_compute
 from fate_lab.hardware.setups import run_hardware
-from fate_lab.core.shape import ModelShape
+from fate_lab.model.adapters import adapt
+from fate_lab.model.record import record_trace
+from fate_lab.offloading.runtime import calibrate_layer_time, offload
 from fate_lab.sim.simulate import simulate
 from fate_lab.study.whatif import calibration_ids
 
@@ -139,7 +139,8 @@ def _run(args, argv) -> str:
     lines += ["", "Targets, runtime, ratios of decode tok/s in this run:", ""]
     for link_name in LINKS:
         for share in (0.5, 0.25):
-            g = lambda n: ratios[link_name, share, n]  # noqa: E731
+            g = {n: ratios[link_name, share, n] for n in ("fate", "lru", "load_on_demand", "fate_v1", "fate_quant",
+                                                          "lru_quant")}.get
             lines.append(f"- {link_name}, {share:.0%} cached: fate/lru {g('fate') / g('lru'):.2f}x, "
                          f"fate/load_on_demand {g('fate') / g('load_on_demand'):.2f}x, "
                          f"fate/fate_v1 {g('fate') / g('fate_v1'):.2f}x, "

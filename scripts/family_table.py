@@ -62,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path, default=None,
                         help="a family table written here before (e.g. docs/families.md): report what changed")
     args = parser.parse_args(argv)
-    from fate_lab.offloading.support import support_counts, support_markdown, support_readme, support_table, write_readme_table
+    from fate_lab.offloading.support import (
+        support_counts,
+        support_markdown,
+        support_readme,
+        support_table,
+        write_readme_table,
+    )
 
     if args.compare is not None and not args.compare.is_file():
         parser.error(f"--compare {args.compare}: no such file; give a table this script wrote, e.g. docs/families.md")

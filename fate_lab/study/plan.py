@@ -30,7 +30,7 @@ from fate_lab.hardware.links import LINK_PROFILES
 from fate_lab.hardware.setups import Hardware
 from fate_lab.model.trace import Trace
 from fate_lab.paths import EMBEDDED_MODELS
-from fate_lab.study.plan_model import CONFIGS_DIR, ModelSpec, model_names, model_spec, parse_bytes, shape_from_config
+from fate_lab.study.plan_model import ModelSpec, model_names, model_spec, parse_bytes, shape_from_config
 
 DEFAULT_PRESETS = ("load_on_demand", "lru", "activation_path", "fate", "host_compute", "static_host", "all_host",
                    "lru_quant", "fate_quant")

@@ -26,7 +26,6 @@ What it is not: the simulator (``fate_lab.sim.speculative``), the runtime, or th
 from __future__ import annotations
 
 import logging
-
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,11 +34,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from fate_lab.model.trace import Trace
 from fate_lab.core.config import OffloadConfig
-from fate_lab.offloading.runtime import Runtime, offload
-from fate_lab.hardware.setups import Hardware
 from fate_lab.core.shape import ModelShape
+from fate_lab.hardware.setups import Hardware
+from fate_lab.model.trace import Trace
+from fate_lab.offloading.runtime import Runtime, offload
 from fate_lab.sim.speculative import (
     per_token_acceptance,
     pick_window,
@@ -197,7 +196,7 @@ def summarize_forwards(records: list[ForwardRecord], prompt_len: int, final_len:
         raise ValueError("the first logged forward must start an empty KV cache (the prefill); log a whole generate")
     # sequence length when each forward began: P, then past + 1 (the last token is not in the cache yet)
     starts = [prompt_len] + [r.past + 1 for r in records[1:]] + [final_len]
-    produced = [b - a for a, b in zip(starts, starts[1:])]
+    produced = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     proposed = [records[0].tokens - prompt_len] + [r.tokens - 1 for r in records[1:]]
     dec = [i for i, r in enumerate(records) if r.phase == "decode"]
     out = {"generated": final_len - prompt_len, "target_forwards": len(records), "verify_forwards": len(dec),

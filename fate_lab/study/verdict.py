@@ -190,7 +190,7 @@ def mean_uncertainty(samples, groups=None) -> float:
     if len(labels) != len(xs):
         raise ValueError(f"{len(labels)} group labels for {len(xs)} samples")
     by: dict = {}
-    for g, x in zip(labels, xs):
+    for g, x in zip(labels, xs, strict=True):
         by.setdefault(g, []).append(x)
     means = [sum(v) / len(v) for v in by.values()]
     return max(two_se(xs), two_se(means)) if len(means) >= 2 else two_se(xs)

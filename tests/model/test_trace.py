@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from fate_lab.model.adapters import adapt
+from fate_lab.model.record import record_trace
 from fate_lab.model.testing import tiny_model
 from fate_lab.model.trace import DECODE, PREFILL, Trace, cross_layer_scores, from_routing_array
-from fate_lab.model.record import record_trace
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
 

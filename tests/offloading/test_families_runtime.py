@@ -58,7 +58,7 @@ def test_a_layout_it_cannot_serve_is_refused_at_offload_naming_family_and_what_t
                                                   r"gate_up_proj_scales.*load the checkpoint in a float dtype"):
         offload(model, OffloadConfig.preset("lru", link="instant", slots=2))
     after = [(a.experts_module(m).gate_up_proj, a.experts_module(m).down_proj) for m in range(a.num_moe_layers)]
-    assert all(x is y for pb, pa in zip(before, after) for x, y in zip(pb, pa))  # nothing taken
+    assert all(x is y for pb, pa in zip(before, after, strict=True) for x, y in zip(pb, pa, strict=True))  # nothing taken
     assert model.config._experts_implementation != "fate_offload"
 
 

@@ -117,7 +117,7 @@ def test_close_from_another_thread_waits_for_the_forward_and_never_breaks_it(tin
         rt = offload(model, cfg)
         box = {}
 
-        def run():
+        def run(box=box):
             try:
                 box["out"] = _gen(model, ids, 16)
             except BaseException as exc:  # noqa: BLE001 - handed to the test

@@ -58,7 +58,7 @@ def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int],
                 real_slots = list(rt.slots_per_layer)
             sim = simulate(trace, cfg, HW, shape, router=router)
             assert sim.slots_per_layer == real_slots, (name, slots)
-            for m, (r, s) in enumerate(zip(real, _counts(sim))):
+            for m, (r, s) in enumerate(zip(real, _counts(sim), strict=True)):
                 diff = {k: (r[k], s[k]) for k in r if r[k] != s[k]}
                 assert not diff, f"{name} slots={slots} layer {m}: runtime vs simulator {diff}"
 

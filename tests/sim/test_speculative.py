@@ -13,16 +13,16 @@ import torch
 from helpers import embedded_models, prompt_ids
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from fate_lab.model.adapters import adapt
+from fate_lab.core.config import OffloadConfig
+from fate_lab.core.shape import ModelShape
 from fate_lab.fit.draft import DraftConfig, draft_config, init_from_target, train_draft
+from fate_lab.hardware.setups import Hardware
+from fate_lab.model.adapters import adapt
 from fate_lab.model.draft import load_draft
+from fate_lab.model.record import record_trace
 from fate_lab.model.testing import tiny_model
 from fate_lab.model.trace import DECODE, PREFILL, Trace
-from fate_lab.model.record import record_trace
-from fate_lab.core.config import OffloadConfig
 from fate_lab.offloading.runtime import offload
-from fate_lab.hardware.setups import Hardware
-from fate_lab.core.shape import ModelShape
 from fate_lab.sim.simulate import simulate
 from fate_lab.sim.speculative import (
     accept_runs,
@@ -210,8 +210,8 @@ def test_union_sizes_by_hand():
 
 
 def test_pick_window_by_hand():
-    from fate_lab.hardware.links import LinkProfile
     from fate_lab.hardware.compute import ComputeProfile
+    from fate_lab.hardware.links import LinkProfile
 
     comp = ComputeProfile("free compute", dense_s=1e-12, dense_per_token_s=0.0, expert_s=0.0, expert_per_token_s=0.0,
                           call_s=0.0, predict_s=0.0)  # negligible next to the 1 s link (all zero is refused)
@@ -251,7 +251,7 @@ def test_simulated_verify_steps_equal_hf_assisted_generation(recorded):
         steps = verify_steps(trace, window, matches=matches)
         row = acceptance_run(model, draft, [torch.tensor([p]) for p in prompts], window, NEW)
         assert row["generated"] == 2 * NEW  # no end-of-text stopped a prompt early
-        for p, (first, P, rows), seq in zip(prompts, prompt_rows(trace), row["sequences"]):
+        for _p, (first, _P, rows), seq in zip(prompts, prompt_rows(trace), row["sequences"], strict=True):
             assert seq[:-1] == trace.token_ids[first:first + rows].tolist()  # the trace's greedy tokens
         assert row["target_forwards"] == len(steps), window
         assert row["accepted"] == sum(s.accepted for s in steps), window

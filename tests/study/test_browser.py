@@ -61,7 +61,7 @@ def lab_url(tmp_path_factory):
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"JupyterLab did not start; see {root / 'lab.log'}")
+                raise RuntimeError(f"JupyterLab did not start; see {root / 'lab.log'}") from None
             time.sleep(0.5)
     yield url
     proc.terminate()
@@ -96,11 +96,11 @@ def _open_and_run(browser, url: str, name: str):
         page.wait_for_function(
             "() => { const p = [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')];"
             " return p.length > 0 && p.every(e => /\\[\\d+\\]/.test(e.textContent)); }", timeout=RUN_S * 1000)
-    except Exception:
+    except Exception as exc:
         prompts = page.evaluate("() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')]"
                                 ".map(e => e.textContent)")
         page.screenshot(path=str(Path(os.environ.get("TMPDIR", "/tmp")) / f"browser-{name}.png"))
-        raise AssertionError(f"{name}: cells not all run after {RUN_S} s; prompts {prompts}")
+        raise AssertionError(f"{name}: cells not all run after {RUN_S} s; prompts {prompts}") from exc
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] :text('Traceback')")
     assert errors.count() == 0, f"{name}: a cell raised"
     _assert_readable(page, name)
