@@ -180,16 +180,18 @@ def speed_table(name, ex, phase, E, preds, n_pure) -> list[str]:
     jobs = dict(layers=list(range(L)), capacities=[cap] * L)
     streams = LibCacheSimStreams(ex) if importlib.util.find_spec("libcachesim") else None  # GPL: benchmark only
     out = [f"## {name}: {N} tokens x {L} layers x top-{k} of {E}, {cap} slots per layer", "",
-           "| policy | fast | fast+pred | pure | pure+pred | fast / pure (CPU) | libCacheSim | hit rate (fast = pure) |",
+           "| policy | fast | fast+pred | pure | pure+pred | fast / pure (CPU) | libCacheSim "
+           "| hit rate (fast = pure) |",
            "|---|---|---|---|---|---|---|---|"]
     for pol in POLICIES:
         res = replay_jobs_fast(ex, phase, policy=pol, **jobs)
         fast = rate(lambda pol=pol: replay_jobs_fast(ex, phase, policy=pol, **jobs), lookups)
-        fastp = rate(lambda pol=pol: replay_jobs_fast(ex, phase, policy=pol, predictions=preds, buffer=k, admit="on_use",
-                                              **jobs), lookups)
-        pure = rate(lambda pol=pol: [replay_layer_pure(rows[l], ph, pol, cap) for l in range(L)], pure_lookups, warm=False)
+        fastp = rate(lambda pol=pol: replay_jobs_fast(ex, phase, policy=pol, predictions=preds, buffer=k,
+                                                      admit="on_use", **jobs), lookups)
+        pure = rate(lambda pol=pol: [replay_layer_pure(rows[l], ph, pol, cap) for l in range(L)], pure_lookups,
+                    warm=False)
         purep = rate(lambda pol=pol: [replay_layer_pure(rows[l], ph, pol, cap, predictions=pure_preds[l], buffer=k,
-                                                admit="on_use") for l in range(L)], pure_lookups, warm=False)
+                                                        admit="on_use") for l in range(L)], pure_lookups, warm=False)
         lc = None if streams is None else streams.speed(cap, pol)
         hit = sum(r["hits"] for r in res) / sum(r["uses"] for r in res)
         out.append(f"| {pol} | {_pair(fast)} | {_pair(fastp)} | {_pair(pure, 2)} | {_pair(purep, 2)} | "

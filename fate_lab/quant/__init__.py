@@ -23,6 +23,6 @@ from fate_lab.quant.kernels import (
 from fate_lab.quant.policy import QuantPolicy
 from fate_lab.quant.surgery import quality_report, quantize_model_experts
 
-__all__ = ["REASONS", "SUPPORTED_BITS", "PackedExpert", "QuantPolicy", "QuantSpec", "QuantizedTensor", "expert_nbytes", "pack",
-           "pack_expert", "packed_nbytes", "quality_report", "quantize", "quantize_expert", "quantize_model_experts",
-           "quantized_nbytes", "reconstruction_error", "unpack"]
+__all__ = ["REASONS", "SUPPORTED_BITS", "PackedExpert", "QuantPolicy", "QuantSpec", "QuantizedTensor",
+           "expert_nbytes", "pack", "pack_expert", "packed_nbytes", "quality_report", "quantize", "quantize_expert",
+           "quantize_model_experts", "quantized_nbytes", "reconstruction_error", "unpack"]

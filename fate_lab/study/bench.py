@@ -149,7 +149,8 @@ def compare_presets(model, input_ids: torch.Tensor, configs: dict[str, OffloadCo
 
 def same_prefix(tokens: list[int], reference: list[int]) -> float:
     """The share of `tokens` before the first one that differs from `reference` (1.0: all the same)."""
-    n = next((i for i, (x, y) in enumerate(zip(tokens, reference, strict=False)) if x != y), min(len(tokens), len(reference)))
+    n = next((i for i, (x, y) in enumerate(zip(tokens, reference, strict=False)) if x != y),
+             min(len(tokens), len(reference)))
     return n / len(tokens) if tokens else float("nan")
 
 

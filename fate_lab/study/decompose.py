@@ -271,7 +271,8 @@ def plot_decomposition(df: pd.DataFrame, model: str | None = None, precision: st
         x = range(len(ratios))
         up, down = [0.0] * len(ratios), [0.0] * len(ratios)
         for comp in comps:
-            vals = [float(part[(part["ratio"] == r) & (part["component"] == comp)]["log2 factor"].sum()) for r in ratios]
+            vals = [float(part[(part["ratio"] == r) & (part["component"] == comp)]["log2 factor"].sum())
+                    for r in ratios]
             base = [u if v >= 0 else dn for v, u, dn in zip(vals, up, down, strict=True)]
             ax.bar(x, vals, bottom=base, color=colors[comp], label=comp, width=0.7)
             up = [u + max(v, 0) for u, v in zip(up, vals, strict=True)]

@@ -173,7 +173,8 @@ def measure(model_q: nn.Module, reference: Reference, progress: bool = True, ste
             logits_q = model_q(input_ids=ids.to(_device(model_q))).logits[:, :-1]  # (B, T-1, V)
         win = [a + b for a, b in zip(win, _compare(logits_fp, logits_q, ids[:, 1:]), strict=True)]
         bar.update(1)
-    for prompt, tokens, logits_fp in zip(reference.prompts, reference.continuations, reference.decode_logits, strict=True):
+    for prompt, tokens, logits_fp in zip(reference.prompts, reference.continuations, reference.decode_logits,
+                                         strict=True):
         _, logits_q = _decode(model_q, prompt, tokens.shape[1], forced=tokens)  # (1, D, V)
         dec = [a + b for a, b in zip(dec, _compare(logits_fp, logits_q, tokens), strict=True)]
         bar.update(1)

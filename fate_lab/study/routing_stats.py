@@ -46,8 +46,9 @@ def transition_entropy(experts: torch.Tensor, num_experts: int) -> pd.DataFrame:
         h_joint, h_cur = _entropy(pairs), _entropy(pairs.sum(1))
         h_cond = h_joint - h_cur
         rows.append({"layer": l, "next_layer": l + 1, "H(next) bits": h_next, "H(next | current) bits": h_cond,
-                     "mutual information bits": h_next - h_cond, "share of H(next) explained": (h_next - h_cond) / h_next
-                     if h_next > 0 else float("nan"), "uniform bits": math.log2(num_experts)})
+                     "mutual information bits": h_next - h_cond,
+                     "share of H(next) explained": (h_next - h_cond) / h_next if h_next > 0 else float("nan"),
+                     "uniform bits": math.log2(num_experts)})
     return pd.DataFrame(rows)
 
 
@@ -127,5 +128,6 @@ def summary(trace: Trace, shape: ModelShape, calibration: Trace | None = None, r
             ("decode uses never used again in the prompt", nan, rd["never again"].mean())]
     if recall:
         pr = predictor_recall(trace, shape, calibration)
-        rows += [(f"decode recall at set size k: {p}", nan, r) for p, r in zip(pr["predictor"], pr["decode recall"], strict=True)]
+        rows += [(f"decode recall at set size k: {p}", nan, r)
+                 for p, r in zip(pr["predictor"], pr["decode recall"], strict=True)]
     return pd.DataFrame(rows, columns=["statistic", "bits", "share"]).set_index("statistic")

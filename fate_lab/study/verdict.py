@@ -228,7 +228,8 @@ def beats(quantity: str, ours: float, threshold: float, reference: str, unit: st
         reason += f"; the paper's {fmt(magnitude, unit)} is {'reached' if ours >= magnitude else 'not reached'}"
     if note:
         reason += f" ({note})"
-    return Claim(quantity, reference, fmt(ours, unit) + (f" ±{s:.0%}" if s else "") + (f" ({detail})" if detail else ""),
+    shown = fmt(ours, unit) + (f" ±{s:.0%}" if s else "") + (f" ({detail})" if detail else "")
+    return Claim(quantity, reference, shown,
                  verdict, reason, "beats",
                  float(ours), float(threshold), None, spread if spread is None or _finite(spread) else None, unit,
                  source, structure)

@@ -137,7 +137,8 @@ def placement_explorer(model: str = "Qwen3-30B-A3B", device: str = "rtx3060", we
     d = layout.dropdown("device", sorted(DEVICES), device)
     f = layout.dropdown("weights (--weights)", list(FORMATS), weights)
     e = layout.dropdown("engine (--engine)", list(ENGINES), "llama.cpp")
-    h = W.Text(value=host, description="host (--host)", style={"description_width": layout.LABEL_WIDTH}, layout=W.Layout(width="98%"))
+    h = W.Text(value=host, description="host (--host)", style={"description_width": layout.LABEL_WIDTH},
+               layout=W.Layout(width="98%"))
     r = W.Text(value=host_ram, description="host RAM (--host-ram)", style={"description_width": layout.LABEL_WIDTH},
                layout=W.Layout(width="98%"))
     n = layout.slider("int", "--n-cpu-moe", value=n_cpu_moe, min=0, max=P.model_spec(model).params.n_layers)

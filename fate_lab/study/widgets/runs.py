@@ -171,7 +171,8 @@ def threshold_explorer(trace: Trace, shape, hardware, slots: int, measured: pd.D
             df = tables.threshold_table(trace, shape, hardware, slots, kind.value, float(thr.value), measured)
             box.rendered = {"kind": kind.value, "threshold": float(thr.value), "table": df}
             display(show.readable(df, caption=f"{kind.value} at threshold {thr.value:g}, {slots} cache slots; "
-                                              f"simulated on {whatif.describe(hardware)}; quality measured in the runtime"))
+                                              f"simulated on {whatif.describe(hardware)}; "
+                                              "quality measured in the runtime"))
 
     def _rule(*_):
         nonlocal syncing

@@ -266,5 +266,6 @@ def speed_line(trace: Trace, allocation: str, boundary: int, replacement: str, p
         return "simulator: Belady and the oracle need the future (replay only)"
     row = tables.simulated_speed(trace, config_for(allocation, boundary, replacement, predictor, slots, calibration),
                                  hardware, shape)
-    return (f"simulated on {whatif.describe(hardware)}: decode hit rate {show.cell(row['decode hit rate'], 'percent')}, "
+    return (f"simulated on {whatif.describe(hardware)}: "
+            f"decode hit rate {show.cell(row['decode hit rate'], 'percent')}, "
             f"{show.cell(row['decode tok/s'])} tok/s, stall {show.cell(row['stall (ms/token)'])} ms/token")
