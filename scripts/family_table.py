@@ -1,6 +1,7 @@
 """Write the table of families the offloaded runtime serves, from a run of the checks themselves.
 
-Run: `OMP_NUM_THREADS=1 python -m scripts.family_table --out docs/families.md --readme README.md` (about a minute on one core).
+Run: `OMP_NUM_THREADS=1 python -m scripts.family_table --out docs/families.md --readme README.md` (about a minute
+on one core).
 For every modeling module of the installed transformers whose experts use its experts interface it builds a
 tiny random model, offloads it under the presets of `fate_lab.offloading.support.RUNS` and a left-padded
 batch, compares tokens and logits with the plain model, and writes one row per module (exact / refused and
