@@ -153,7 +153,8 @@ def test_ssd_store_refuses_a_checkpoint_that_is_not_the_model(tmp_path, tiny_mod
     a = adapt(model)
     with torch.no_grad():
         a.experts_module(1).down_proj[3, -1, 0] += 1.0  # one edited weight of expert 3, layer 1
-    with pytest.raises(ValueError, match=r"experts\.3\.down_proj.*expert 3 of MoE layer 1 differs from the in-memory model's"):
+    with pytest.raises(ValueError,
+                       match=r"experts\.3\.down_proj.*expert 3 of MoE layer 1 differs from the in-memory model's"):
         offload(model, OffloadConfig.preset("lru", link="instant", slots=2, store="ssd", checkpoint=ckpt))
     assert _restored(model)
     other = tiny_models("qwen2_moe", seed=0, hidden_size=48)  # another hidden size

@@ -193,7 +193,8 @@ def test_verify_steps_by_hand():
         (0, 5, "prefill", 3, 2), (4, 8, "decode", 3, 1), (6, 9, "decode", 2, 0), (7, 9, "decode", 1, 0),
         (8, 9, "decode", 0, 0)]
     # window 0: the prefill, then one decode forward per decode row
-    assert as_tuples(verify_steps(t, 0)) == [(0, 2, "prefill", 0, 0)] + [(r, r + 1, "decode", 0, 0) for r in range(2, 9)]
+    assert as_tuples(verify_steps(t, 0)) == [(0, 2, "prefill", 0, 0)] + [(r, r + 1, "decode", 0, 0)
+                                                                        for r in range(2, 9)]
     # an acceptance probability: the expected accept lengths, carried as fractions (totals exact)
     steps = verify_steps(t, 2, acceptance=0.5)  # E[accepted] = 0.75 per full window
     assert [s.accepted for s in steps] == [0, 1, 1, 1, 0]  # carry .75, 1.5, 1.25, 1.0, -
@@ -305,7 +306,8 @@ def test_init_from_target_copies_embeddings_and_shared_experts():
     draft = Qwen2ForCausalLM(draft_config(cfg, target.config))
     init_from_target(draft, target)
     assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
-    assert torch.equal(draft.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.shared_expert.up_proj.weight)
+    assert torch.equal(draft.model.layers[0].mlp.up_proj.weight,
+                       target.model.layers[0].mlp.shared_expert.up_proj.weight)
     assert torch.equal(draft.model.layers[0].self_attn.q_proj.bias, target.model.layers[0].self_attn.q_proj.bias)
     with pytest.raises(ValueError, match="intermediate_size=48"):
         init_from_target(Qwen2ForCausalLM(draft_config(DraftConfig(num_layers=1, hidden_size=64, intermediate_size=32),
