@@ -3,7 +3,7 @@
 For transfer/compute ratios r (one expert's transfer time / one decode layer's compute time)
 from 0.25 to 4, simulates decode tok/s of the ablation ladder and the prefetch variants on a
 trace of the embedded model: uniform LRU -> ARC -> shallow-favoring allocation -> cross-layer
-top-k prefetch -> 75th percentile (the first version's `fate_v1`: whole set queued, admitted on
+top-k prefetch -> 75th percentile (`fate_v1`: the whole set queued, admitted on
 load) -> link-sized prefetch -> admitted on use (`fate`), plus the two-mechanism crosses. Two
 compute profiles: the estimated RTX 3090 one (a GPU: no CPU-emulation costs) and this machine's,
 calibrated from the runtime. Speed is reported relative to uniform LRU in the same cell.

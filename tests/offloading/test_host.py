@@ -2,7 +2,7 @@
 
 The host path must not change a token: it computes the same expert from the store's weights
 (on a CPU, the very tensors the model had). Counts of host calls must agree between the runtime
-and the simulator like every other counter (tests/test_parity.py runs the static placements;
+and the simulator like every other counter (tests/sim/test_parity.py runs the static placements;
 here a deterministic rule stands in for the cost model so the instant link can compare them).
 """
 import dataclasses

@@ -1,4 +1,4 @@
-"""Ctrl-C and close() against a running forward (issue 19): an interrupted forward leaves nothing jammed, close()
+"""Ctrl-C and close() against a running forward: an interrupted forward leaves nothing jammed, close()
 and a generating thread never overlap, and close(restore=False) leaves a model that says what happened."""
 import _thread
 import signal

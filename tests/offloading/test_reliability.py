@@ -1,4 +1,4 @@
-"""Reliability (issue 9): nothing hangs, a dead link fails loudly and gives the model back, one
+"""Reliability: nothing hangs, a dead link fails loudly and gives the model back, one
 forward at a time per runtime, and double offloading / recording an offloaded model say so."""
 import threading
 

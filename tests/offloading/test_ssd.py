@@ -1,5 +1,5 @@
-"""The SSD tier never computes with weights that are not the model's (issue 19), and a checkpoint opens offloaded
-(issue 20): full-content digests taken once and re-checked on every read; close() gives the caller its own
+"""The SSD tier never computes with weights that are not the model's, and a checkpoint opens offloaded:
+full-content digests taken once and re-checked on every read; close() gives the caller its own
 tensors or was refused up front; `load_offloaded` serves the experts from the files alone.
 
 Every edit below leaves an expert's first and last rows as they were: the SSD tier used to compare only those.

@@ -214,7 +214,7 @@ def test_prefetch_explorer_switches_rules_in_the_browser(lab_url, browser):
                            ".some(e => e.textContent.includes('CountBudget('))", timeout=60_000)
     after = _widget_output(page, "CountBudget(")
     n = int(re.search(r"CountBudget\(n=(\d+)\)", after).group(1))
-    assert n > 0  # the first version drew CountBudget(n=0)
+    assert n > 0  # a count budget of 0 experts would prefetch nothing
     # the slider that is shown is the count's integer slider, with the model's 32 experts as its maximum
     assert page.locator(".widget-slider:visible").count() == 1
     select.select_option(label="percentile (paper: q=75)")
