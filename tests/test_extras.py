@@ -29,13 +29,16 @@ model, tok = fate_lab.load_model()
 ids = tok("The word", return_tensors="pt")
 with fate_lab.offload(model, fate_lab.OffloadConfig.preset("fate", slots=8, link="instant")) as rt:
     out = model.generate(**ids, max_new_tokens=6, do_sample=False)
+with fate_lab.offload(model, fate_lab.OffloadConfig.preset("fate_learned", slots=8, link="instant")) as rt:
+    learned = model.generate(**ids, max_new_tokens=6, do_sample=False)  # the shipped probes, no scikit-learn
 trace = fate_lab.record_trace(model, tok, ["Once upon a time", "The river"], decode_tokens=6)
 trace.save(sys.argv[1])
 shape = fate_lab.ModelShape.from_adapter(fate_lab.adapt(model))
 cfg = fate_lab.OffloadConfig.preset("lru", slots=8)
 sim = fate_lab.simulate(trace, cfg, fate_lab.Hardware.scaled("qwen15_moe_rtx3090_pcie3"), shape)
 rep = fate_lab.replay(trace, cfg).total("decode")
-print(json.dumps({"tokens": out[0].tolist(), "sim_tok_s": sim.decode_tok_s, "hits": rep.hits, "misses": rep.misses}))
+print(json.dumps({"tokens": out[0].tolist(), "learned": learned[0].tolist(),
+                  "sim_tok_s": sim.decode_tok_s, "hits": rep.hits, "misses": rep.misses}))
 assert all(sys.modules[name] is None for name in BLOCKED)
 '''
 
@@ -59,7 +62,7 @@ def test_offload_simulate_replay_without_the_notebook_stack(tmp_path):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     model, tok = fate_lab.load_model()
     plain = model.generate(**tok("The word", return_tensors="pt"), max_new_tokens=6, do_sample=False)
-    assert got["tokens"] == plain[0].tolist()  # the offloaded run's tokens are the plain model's
+    assert got["tokens"] == got["learned"] == plain[0].tolist()  # the offloaded runs' tokens are the plain model's
     trace = fate_lab.Trace.load(tmp_path / "t.safetensors")
     rep = fate_lab.replay(trace, fate_lab.OffloadConfig.preset("lru", slots=8)).total("decode")
     assert (got["hits"], got["misses"]) == (rep.hits, rep.misses) and rep.hits + rep.misses > 0
