@@ -48,7 +48,7 @@ check-newest:  ## family table + exactness tests on the newest transformers pypr
 	test -x $(NEWEST)/bin/python || $(PY) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install -q --upgrade pip
 	if [ -n "$(TORCH)" ]; then $(NEWEST)/bin/python -m pip install -q $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH)"; fi
-	$(NEWEST)/bin/python -m pip install -q -e ".[test]"
+	$(NEWEST)/bin/python -m pip install -q -e ".[notebooks,test]"
 	$(NEWEST)/bin/python -m pip install -q --upgrade "$(TRANSFORMERS)" huggingface_hub
 	@$(NEWEST)/bin/python -c "import transformers; print('check-newest: transformers', transformers.__version__, '(constraints.txt pins', open('constraints.txt').read().split('transformers==')[1].split()[0] + ')')"
 	@rc=0; \

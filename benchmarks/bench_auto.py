@@ -133,7 +133,8 @@ def grid_report(rows: list[dict], args, wall: float) -> str:
                      f"{r['auto_quant']:.1f} tok/s vs all-resident {r['all_resident']:.1f}: "
                      f"{r['all_resident'] / r['auto_quant']:.2f}x slower "
                      f"({'met' if r['all_resident'] <= 2 * r['auto_quant'] else 'not met'})")
-    lines += ["", "## What each plan picked", "", "| model | setup | cached | auto | auto_quant |", "|---|---|---|---|---|"]
+    lines += ["", "## What each plan picked", "", "| model | setup | cached | auto | auto_quant |",
+              "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['setup']} | {r['share']:.0%} | {r['auto pick']} | {r['auto_quant pick']} |")
     lines.append(f"\nWall time {wall:.0f} s (this run; cells already in the checkpoint are not re-timed).")

@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from fate_lab.model.adapters import adapt
 from fate_lab.hardware.setups import resolve_link
+from fate_lab.model.adapters import adapt
 from fate_lab.offloading.runtime import OffloadConfig, calibrate_layer_time, offload
 from fate_lab.policy.planner import plan_from_slots
 
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                              _fmt(r["ttft"] * 1e3, 1), _fmt(r["tps"], 1), _fmt(base / r["tps"]),
                              _fmt(r["tps"] / lod), _fmt(r["tps"] / g_tps), _fmt(s["hit_rate"]),
                              _fmt(s["stall_s"] / args.repeats * 1e3 / max(1, args.new_tokens - 1)),
-                             _fmt(s["bytes_moved"] / a.bytes_per_expert() / args.repeats / max(1, args.new_tokens - 1), 1),
+                             _fmt(s["bytes_moved"] / a.bytes_per_expert() / args.repeats
+                                  / max(1, args.new_tokens - 1), 1),
                              f"{_fmt(s['recall'])}/{_fmt(s['precision'])}/{_fmt(s['set_size'], 1)}",
                              "yes" if r["same"] else "NO"])
     head = ["link", "budget (fraction of experts)", "preset", "TTFT ms", "decode tok/s", "all_resident time ratio",

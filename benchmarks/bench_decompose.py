@@ -79,9 +79,10 @@ def main(argv: list[str] | None = None) -> str:
         model, tok = lab.load("tiny_moe")
         rt = decompose_runtime(model, tok, RUNTIME_POINTS, repeats=args.repeats)
         lines += ["## Runtime on this machine at two points (tiny_moe)", "",
-                  f"2 held-out prompts x 32 greedy tokens, torch on one thread, median of {args.repeats} runs (spread = "
-                  "(max - min) / median); simulated = the simulator on this machine's compute profile calibrated "
-                  "from the runtime (quantized rows: on the plain model's routing). Factors as above, per step.", ""]
+                  f"2 held-out prompts x 32 greedy tokens, torch on one thread, median of {args.repeats} runs "
+                  "(spread = (max - min) / median); simulated = the simulator on this machine's compute profile "
+                  "calibrated from the runtime (quantized rows: on the plain model's routing). Factors as above, "
+                  "per step.", ""]
         lines += _markdown(rt.round(3)) + [""]
     lines.append(f"Wall time {time.time() - t0:.0f} s.")
     text = "\n".join(lines)
@@ -96,7 +97,7 @@ def _markdown(df) -> list[str]:
     out = ["| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
     for row in df.itertuples(index=False):
         cells = []
-        for c, v in zip(cols, row):
+        for c, v in zip(cols, row, strict=True):
             if c == "cached":
                 cells.append(f"{v:.0%}")
             elif isinstance(v, float):

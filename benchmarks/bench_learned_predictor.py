@@ -22,10 +22,17 @@ import time
 import pandas as pd
 import torch
 
+from fate_lab.fit.probes import (
+    compare_with_percentile,
+    fit_probes,
+    percentile_recall,
+    threshold_for_recall,
+    training_trace,
+    tune_thresholds,
+)
 from fate_lab.model.trace import DECODE, PREFILL, cross_layer_scores
-from fate_lab.policy.probes import PHASE_NAMES, Threshold, load_probes, probes_path
-from fate_lab.fit.probes import compare_with_percentile, fit_probes, percentile_recall, threshold_for_recall, training_trace, tune_thresholds
 from fate_lab.policy.prediction_metrics import evaluate_rule
+from fate_lab.policy.probes import PHASE_NAMES, Threshold, load_probes, probes_path
 
 VARIANTS = {"linear (logistic regression)": 0, "MLP 64": 64, "MLP 128": 128, "MLP 192 (shipped kind)": 192,
             "MLP 256": 256}

@@ -5,7 +5,8 @@ tiny random Mixtral whose routed experts are ~95% of its bytes (fp32, hidden 256
 each of 16 layers: ~830 MB) into a temporary folder, then in two fresh subprocesses (each imports the same
 modules, so the interpreter's own memory is the same in both) it (a) loads it with `load_model` and greedy-
 decodes 24 tokens, (b) opens it with `load_offloaded` with 10% of the experts cached and decodes the same 24
-tokens; each reports its peak resident set (VmHWM, which counts the file pages mapped while an expert is read). Then it times the SSD tier's digest (`offloading/digest.expert_digest`, XXH3-64) per GB. Writes
+tokens; each reports its peak resident set (VmHWM, which counts the file pages mapped while an expert is read).
+Then it times the SSD tier's digest (`offloading/digest.expert_digest`, XXH3-64) per GB. Writes
 `benchmarks/results/load_offloaded_<date>.md`; exits 1 if the tokens differ or the ratio misses 0.35.
 """
 from __future__ import annotations
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.date.today().isoformat()
     out = args.out or ROOT / "benchmarks" / "results" / f"load_offloaded_{date}.md"
     mb = 1e6
+    p, o = plain, off
     text = f"""# Opening a checkpoint offloaded: peak host memory ({date})
 
 Command: `OMP_NUM_THREADS=1 python -m benchmarks.bench_load_offloaded` (CPU, torch {__import__('torch').__version__}).
@@ -138,8 +140,10 @@ instant link (every transfer is a read of the safetensors file, memory-mapped, o
 
 | | peak RSS (MB) | after imports (MB) | peak above imports (MB) | load (s) |
 |---|---|---|---|---|
-| `load_model` | {plain['peak_rss_mb']:.0f} | {plain['base_rss_mb']:.0f} | {plain['peak_rss_mb'] - plain['base_rss_mb']:.0f} | {plain['load_s']:.2f} |
-| `load_offloaded` (ssd, 10% cached) | {off['peak_rss_mb']:.0f} | {off['base_rss_mb']:.0f} | {off['peak_rss_mb'] - off['base_rss_mb']:.0f} | {off['load_s']:.2f} |
+| `load_model` | {p['peak_rss_mb']:.0f} | {p['base_rss_mb']:.0f} | \
+{p['peak_rss_mb'] - p['base_rss_mb']:.0f} | {p['load_s']:.2f} |
+| `load_offloaded` (ssd, 10% cached) | {o['peak_rss_mb']:.0f} | {o['base_rss_mb']:.0f} | \
+{o['peak_rss_mb'] - o['base_rss_mb']:.0f} | {o['load_s']:.2f} |
 
 Peak RSS offloaded / plain: **{ratio:.3f}** (target < {TARGET}); above the interpreter's own: {above:.3f}.
 Tokens: {'identical' if same else 'DIFFERENT'} ({TOKENS} greedy tokens; {off['decode_hits']} decode hits).

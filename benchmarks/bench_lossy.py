@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> str:
         k = ok[ok["policy"] == kind]
         best = k.loc[k["speed vs fate"].idxmax()] if len(k) else None
         lines.append(f"- {kind}: " + ("no threshold within the quality bounds" if best is None else
-                     f"threshold {best['threshold']}: {best['speed vs fate']:.2f}x fate, ppl {best['perplexity change']:+.2%}, "
+                     f"threshold {best['threshold']}: {best['speed vs fate']:.2f}x fate, "
+                     f"ppl {best['perplexity change']:+.2%}, "
                      f"agreement {best['greedy agreement']:.1%}"))
     lines.append(f"\nWall time {time.time() - t0:.0f} s.")
     return emit(lines, args.out)

@@ -5,8 +5,8 @@ Each round runs, interleaved: the command line in a fresh process (`python -m fa
 transformers' import and the meta-device build of the config included, what a user waits for), and the same two
 calls in this process after a first one (`cli.main`, the config's build remembered), and the inner search
 (`study.fit.fit`) beside them; and a first run whose config is not yet remembered (`plan_model.cache_dir`:
-transformers' modeling code imported, the model built on the meta device). Medians and the spread (min-max) over the rounds; the machine's load average is
-written beside them, since other work shares the CPU.
+transformers' modeling code imported, the model built on the meta device). Medians and the spread (min-max) over
+the rounds; the machine's load average is written beside them, since other work shares the CPU.
 
     python -m benchmarks.bench_plan --rounds 5 --out benchmarks/results/plan_$(date +%F).md
 """

@@ -159,11 +159,11 @@ def main(argv: list[str] | None = None) -> str:
                   "- LeCaR draws at random (fate_lab: SplitMix64 seeded 0; libCacheSim: its own generator), so only "
                   "close counts are expected.",
                   "- S3-FIFO needs 20+ slots in libCacheSim (10% small queue of at least 2 objects).", ""]
-        for name, tr, ex, phase, E in work:
+        for name, _tr, ex, _phase, E in work:
             if E < 64:
                 continue  # libCacheSim's S3-FIFO needs 20+ slots: the 64-expert workloads cover every policy
             lines += lcs_table(name, ex, E, k1=True)
-        for name, tr, ex, phase, E in work:
+        for name, _tr, ex, _phase, E in work:
             lines += lcs_table(name, ex, E, k1=False)
         lines += ["On top-k streams every online policy of fate_lab misses less than libCacheSim's (LFU and SIEVE "
                   "most): fate_lab never evicts an expert the current token still needs, and it touches a token's "

@@ -3,7 +3,7 @@
 For transfer/compute ratios r (one expert's transfer time / one decode layer's compute time)
 from 0.25 to 4, simulates decode tok/s of the ablation ladder and the prefetch variants on a
 trace of the embedded model: uniform LRU -> ARC -> shallow-favoring allocation -> cross-layer
-top-k prefetch -> 75th percentile (the first version's `fate_v1`: whole set queued, admitted on
+top-k prefetch -> 75th percentile (`fate_v1`: the whole set queued, admitted on
 load) -> link-sized prefetch -> admitted on use (`fate`), plus the two-mechanism crosses. Two
 compute profiles: the estimated RTX 3090 one (a GPU: no CPU-emulation costs) and this machine's,
 calibrated from the runtime. Speed is reported relative to uniform LRU in the same cell.
@@ -20,15 +20,15 @@ import time
 
 import torch
 
-from fate_lab.model.adapters import adapt
-from fate_lab.model.record import record_trace
 from fate_lab.core.config import OffloadConfig
-from fate_lab.hardware.links import LinkProfile
-from fate_lab.policy.rules import TopK
+from fate_lab.core.shape import ModelShape
 from fate_lab.fit.calibrate import calibrate_compute
+from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.profiles import COMPUTE_PROFILES
 from fate_lab.hardware.setups import Hardware
-from fate_lab.core.shape import ModelShape
+from fate_lab.model.adapters import adapt
+from fate_lab.model.record import record_trace
+from fate_lab.policy.rules import TopK
 from fate_lab.sim.simulate import simulate
 
 RATIOS = [0.25, 0.5, 1.0, 2.0, 2.9, 4.0]

@@ -91,7 +91,8 @@ CASES = [
     Case("ik_llama_gptoss120b_4080_5975wx", _cmd("gpt-oss-120b", "rtx4080", f"{GPT120} --cpu-moe --host "
          "threadripper_pro_5975wx --prompt 1"), note="the RAM configuration is not stated (8 channels taken); "
          "ik_llama.cpp runs with llama.cpp's constants"),
-    Case("llmfit_qwen3_30b_rtx2080", _cmd("Qwen3-30B-A3B", "rtx2080", "--weights q4_k_m --n-cpu-moe 36 --host i9_10900x")),
+    Case("llmfit_qwen3_30b_rtx2080", _cmd("Qwen3-30B-A3B", "rtx2080", "--weights q4_k_m --n-cpu-moe 36 --host "
+         "i9_10900x")),
     Case("llmfit_dscoderv2lite_rtx2080", _cmd("DeepSeek-V2-Lite", "rtx2080", "--weights q4_k_m --n-cpu-moe 16 --host "
          "i9_10900x"), note="DeepSeek-Coder-V2-Lite, the DeepSeek-V2-Lite shape"),
     Case("moefit_validation_395_qwen3coder", _cmd("Qwen3-30B-A3B", "none", "--weights q4_k_m --cpu-only --host "
@@ -169,7 +170,8 @@ def run_sim_case(case: SimCase) -> float:
     spec = model_spec(case.model, torch.float16)
     compute = compute_for(spec.shape, case.device, "desktop_ddr4", spec.vocab_size, spec.tied, context=256)
     cfg = OffloadConfig.preset("load_on_demand", quant=case.quant, context_len=256)
-    return simulate(standin_trace(spec.shape), cfg, Hardware(compute, LINK_PROFILES[case.link]), spec.shape).decode_tok_s
+    hw = Hardware(compute, LINK_PROFILES[case.link])
+    return simulate(standin_trace(spec.shape), cfg, hw, spec.shape).decode_tok_s
 
 
 # the decode figures the sizing issue lists to be checked (the rest are welcome extras)

@@ -117,8 +117,8 @@ def speed_table(model, input_ids: torch.Tensor, new_tokens: int, cache_share: fl
     for link in links:
         ref = None
         for preset in ("fate", "fate_int8", "fate_quant"):
-            run = run_preset(model, input_ids, OffloadConfig.preset(preset, slots=slots, link=link, layer_compute_s=layer_s),
-                             new_tokens)
+            cfg = OffloadConfig.preset(preset, slots=slots, link=link, layer_compute_s=layer_s)
+            run = run_preset(model, input_ids, cfg, new_tokens)
             ref = run["tokens"] if ref is None else ref
             r = run["row"]
             rows.append(dict(link=link, preset=preset, slots=slots,

@@ -24,11 +24,11 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = ap.parse_args(argv)
-    from fate_lab.model.adapters import adapt
     from fate_lab.core.config import OffloadConfig
-    from fate_lab.sim.replay import replay
-    from fate_lab.hardware.setups import Hardware
     from fate_lab.core.shape import ModelShape
+    from fate_lab.hardware.setups import Hardware
+    from fate_lab.model.adapters import adapt
+    from fate_lab.sim.replay import replay
     from fate_lab.sim.simulate import simulate
     from fate_lab.study.lab import get_trace, load
 
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> str:
     decays = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
     trace = get_trace(split="calib")
     lines += ["", "router_ema's `decay` (calib split, replay, decode hit rate; the default is 0.9):", "",
-              "| cached | " + " | ".join(f"decay {d:g}" for d in decays) + " | best |", "|---|" + "---|" * (len(decays) + 1)]
+              "| cached | " + " | ".join(f"decay {d:g}" for d in decays) + " | best |",
+              "|---|" + "---|" * (len(decays) + 1)]
     for share in (0.25, 0.5):
         slots = int(total * share) // shape.num_moe_layers
         hit = {d: replay(trace, slots_per_layer=slots, policy="router_ema", policy_kw={"decay": d}).hit_rate("decode")

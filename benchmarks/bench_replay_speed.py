@@ -122,6 +122,7 @@ class LibCacheSimStreams:
     def speed(self, cap: int, policy: str) -> tuple[float, float] | None:
         """(wall, CPU) M look-ups/s of libCacheSim over every layer's stream, or None where it has no such policy."""
         import libcachesim as lcs
+
         from benchmarks.bench_policies import LCS_CLASSES
 
         cls = LCS_CLASSES.get(policy)
@@ -131,7 +132,7 @@ class LibCacheSimStreams:
         for path in self.paths:
             reader = lcs.TraceReader(path, lcs.TraceType.ORACLE_GENERAL_TRACE)
             cache = getattr(lcs, cls)(cache_size=cap)
-            _, w, c = timed(lambda: cache.process_trace(reader))
+            _, w, c = timed(lambda cache=cache, reader=reader: cache.process_trace(reader))
             wall, cpu = wall + w, cpu + c
         n = self.lookups * len(self.paths)
         return n / wall / 1e6, n / max(cpu, 1e-9) / 1e6
@@ -179,16 +180,18 @@ def speed_table(name, ex, phase, E, preds, n_pure) -> list[str]:
     jobs = dict(layers=list(range(L)), capacities=[cap] * L)
     streams = LibCacheSimStreams(ex) if importlib.util.find_spec("libcachesim") else None  # GPL: benchmark only
     out = [f"## {name}: {N} tokens x {L} layers x top-{k} of {E}, {cap} slots per layer", "",
-           "| policy | fast | fast+pred | pure | pure+pred | fast / pure (CPU) | libCacheSim | hit rate (fast = pure) |",
+           "| policy | fast | fast+pred | pure | pure+pred | fast / pure (CPU) | libCacheSim "
+           "| hit rate (fast = pure) |",
            "|---|---|---|---|---|---|---|---|"]
     for pol in POLICIES:
         res = replay_jobs_fast(ex, phase, policy=pol, **jobs)
-        fast = rate(lambda: replay_jobs_fast(ex, phase, policy=pol, **jobs), lookups)
-        fastp = rate(lambda: replay_jobs_fast(ex, phase, policy=pol, predictions=preds, buffer=k, admit="on_use",
-                                              **jobs), lookups)
-        pure = rate(lambda: [replay_layer_pure(rows[l], ph, pol, cap) for l in range(L)], pure_lookups, warm=False)
-        purep = rate(lambda: [replay_layer_pure(rows[l], ph, pol, cap, predictions=pure_preds[l], buffer=k,
-                                                admit="on_use") for l in range(L)], pure_lookups, warm=False)
+        fast = rate(lambda pol=pol: replay_jobs_fast(ex, phase, policy=pol, **jobs), lookups)
+        fastp = rate(lambda pol=pol: replay_jobs_fast(ex, phase, policy=pol, predictions=preds, buffer=k,
+                                                      admit="on_use", **jobs), lookups)
+        pure = rate(lambda pol=pol: [replay_layer_pure(rows[l], ph, pol, cap) for l in range(L)], pure_lookups,
+                    warm=False)
+        purep = rate(lambda pol=pol: [replay_layer_pure(rows[l], ph, pol, cap, predictions=pure_preds[l], buffer=k,
+                                                        admit="on_use") for l in range(L)], pure_lookups, warm=False)
         lc = None if streams is None else streams.speed(cap, pol)
         hit = sum(r["hits"] for r in res) / sum(r["uses"] for r in res)
         out.append(f"| {pol} | {_pair(fast)} | {_pair(fastp)} | {_pair(pure, 2)} | {_pair(purep, 2)} | "
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> str:
                   f"{N * L * k * (E + 1) / 1e9:.2f}G look-ups), 2 threads", "",
                   "| policy | wall seconds | CPU seconds (both threads) | M look-ups/s, wall |", "|---|---|---|---|"]
         for pol in POLICIES:
-            _, wall, cpu = timed(lambda: miss_curves(ex, E, policy=pol, n_jobs=2))
+            _, wall, cpu = timed(lambda pol=pol: miss_curves(ex, E, policy=pol, n_jobs=2))
             lines.append(f"| {pol} | {wall:.1f} | {cpu:.1f} | {N * L * k * (E + 1) / wall / 1e6:.0f} |")
         lines.append("")
     load1 = os.getloadavg()

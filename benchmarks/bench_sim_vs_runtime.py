@@ -21,13 +21,13 @@ import time
 
 import torch
 
-from fate_lab.model.adapters import adapt
-from fate_lab.model.record import record_trace
 from fate_lab.core.config import OffloadConfig
-from fate_lab.offloading.runtime import calibrate_layer_time, offload
+from fate_lab.core.shape import ModelShape
 from fate_lab.fit.calibrate import calibrate_compute
 from fate_lab.hardware.setups import run_hardware
-from fate_lab.core.shape import ModelShape
+from fate_lab.model.adapters import adapt
+from fate_lab.model.record import record_trace
+from fate_lab.offloading.runtime import calibrate_layer_time, offload
 from fate_lab.sim.simulate import simulate
 from fate_lab.study.whatif import calibration_ids
 
@@ -97,10 +97,12 @@ def _run(args, argv) -> str:
     lines = [f"# Simulator vs runtime ({time.strftime('%Y-%m-%d')})", "",
              f"`python -m benchmarks.bench_sim_vs_runtime {shlex.join(argv or sys.argv[1:])}`", "",
              f"Model: {args.model or 'embedded tiny MoE'}; {args.prompts} held-out prompts x {args.new_tokens} tokens; "
-             f"layer time {layer_s * 1e3:.3f} ms (calibrated once); compute profile: dense {compute.dense_s * 1e3:.3f} ms/layer, "
+             f"layer time {layer_s * 1e3:.3f} ms (calibrated once); "
+             f"compute profile: dense {compute.dense_s * 1e3:.3f} ms/layer, "
              f"expert {compute.expert_s * 1e3:.3f} ms, call {compute.call_s * 1e3:.3f} ms, "
              f"predict {compute.predict_s * 1e3:.3f} ms, cold expert +{compute.expert_cold_s * 1e3:.3f} ms, "
-             f"per landed transfer +{compute.landed_s * 1e3:.3f} ms, link overshoot +{compute.link_extra_s * 1e3:.3f} ms, "
+             f"per landed transfer +{compute.landed_s * 1e3:.3f} ms, "
+             f"link overshoot +{compute.link_extra_s * 1e3:.3f} ms, "
              f"wake-up {compute.wake_s * 1e3:.3f} ms, busy link x{compute.busy_factor:.2f}, per queued transfer "
              f"+{compute.transfer_host_s * 1e3:.3f} ms (CPU emulation costs, see hardware.compute.ComputeProfile). "
              "Every runtime row starts with an empty cache, as the simulator does; TTFT is the first prompt's prefill.",
@@ -134,12 +136,14 @@ def _run(args, argv) -> str:
     sim_rows = [v for k, v in ratios.items() if k[0] == "sim"]
     dec_r, ttft_r = [d for d, _ in sim_rows], [t for _, t in sim_rows]
     within = sum(abs(d - 1) <= 0.10 for d in dec_r), sum(abs(t - 1) <= 0.10 for t in ttft_r)
-    lines += ["", f"Simulator / runtime over the {len(sim_rows)} simulated rows: decode {min(dec_r):.2f}–{max(dec_r):.2f}x "
+    lines += ["", f"Simulator / runtime over the {len(sim_rows)} simulated rows: "
+              f"decode {min(dec_r):.2f}–{max(dec_r):.2f}x "
               f"({within[0]} within 10%), TTFT {min(ttft_r):.2f}–{max(ttft_r):.2f}x ({within[1]} within 10%)."]
     lines += ["", "Targets, runtime, ratios of decode tok/s in this run:", ""]
     for link_name in LINKS:
         for share in (0.5, 0.25):
-            g = lambda n: ratios[link_name, share, n]  # noqa: E731
+            g = {n: ratios[link_name, share, n] for n in ("fate", "lru", "load_on_demand", "fate_v1", "fate_quant",
+                                                          "lru_quant")}.get
             lines.append(f"- {link_name}, {share:.0%} cached: fate/lru {g('fate') / g('lru'):.2f}x, "
                          f"fate/load_on_demand {g('fate') / g('load_on_demand'):.2f}x, "
                          f"fate/fate_v1 {g('fate') / g('fate_v1'):.2f}x, "

@@ -24,13 +24,13 @@ import time
 
 import torch
 
-from fate_lab.model.adapters import adapt
-from fate_lab.model.record import record_trace
 from fate_lab.core.config import OffloadConfig
-from fate_lab.offloading.runtime import calibrate_layer_time
+from fate_lab.core.shape import ModelShape
 from fate_lab.fit.calibrate import calibrate_compute
 from fate_lab.hardware.setups import run_hardware
-from fate_lab.core.shape import ModelShape
+from fate_lab.model.adapters import adapt
+from fate_lab.model.record import record_trace
+from fate_lab.offloading.runtime import calibrate_layer_time
 from fate_lab.sim.speculative import (
     break_even_acceptance,
     per_token_acceptance,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> str:
              "| window | acceptance | target fwds | tokens/fwd | moved/token | vs fate | hit rate | runtime tok/s | "
              "vs fate | sim tok/s | sim/runtime | sim moved/token | roofline tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r, s in zip(rows, sims):
+    for r, s in zip(rows, sims, strict=True):
         w = r["window"]
         acc = "—" if w == 0 else f"{r['acceptance']:.3f}"
         lines.append(

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"STALL round {r} {path.name} {model}: {e}", file=sys.stderr)
                     except Exception as e:  # an error is not a stall; count it and say what it was
                         row["errors"] += 1
-                        print(f"ERROR round {r} {path.name} {model}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                        print(f"ERROR round {r} {path.name} {model}: {type(e).__name__}: {str(e)[:300]}",
+                              file=sys.stderr)
                     row["runs"] += 1
                     row["run s"].append(time.time() - t)
                     bar.update()

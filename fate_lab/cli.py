@@ -10,7 +10,8 @@ def _cmd_train(args: argparse.Namespace) -> None:
     from fate_lab.fit.train import TrainConfig, train
     from fate_lab.paths import EMBEDDED_MODELS
 
-    overrides = {k: v for k, v in {"steps": args.steps, "minutes": args.minutes, "seed": args.seed}.items() if v is not None}
+    given = {"steps": args.steps, "minutes": args.minutes, "seed": args.seed}
+    overrides = {k: v for k, v in given.items() if v is not None}
     cfg = TrainConfig.preset(args.preset, **overrides)
     default_out = EMBEDDED_MODELS.get({"tiny": "tiny_moe"}.get(args.preset, args.preset))
     if args.out is None and default_out is None:
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` and run the chosen sub-command; a user's error is one line and a non-zero exit."""
     ap = _OneLineParser(prog="python -m fate_lab", description="fate_lab: offloaded MoE inference lab")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train an embedded model (tiny -> data/tiny_moe, tiny_deepseek -> data/tiny_deepseek)")
+    t = sub.add_parser("train",
+                       help="train an embedded model (tiny -> data/tiny_moe, tiny_deepseek -> data/tiny_deepseek)")
     t.add_argument("--preset", default="tiny", help="tiny (default model), tiny_deepseek, smoke, smoke_deepseek")
     t.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
     t.add_argument("--minutes", type=float, help="wall-clock cap; training stops early when spent")

@@ -258,7 +258,7 @@ def run_main(out: Path, models: list[str] | None = None, fast: bool = False, tab
     if not tables_only:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "clock.json").unlink(missing_ok=True)  # a new run calibrates anew
-    for model, name in zip(models, names):
+    for model, name in zip(models, names, strict=True):
         params = {"MODEL": "" if model is None else str(model), "FAST": fast}
         if tables_only:
             done[name] = {nb.stem: out / name / "notebooks" / nb.name for nb in nbs}

@@ -1,6 +1,7 @@
 """Write the table of families the offloaded runtime serves, from a run of the checks themselves.
 
-Run: `OMP_NUM_THREADS=1 python -m scripts.family_table --out docs/families.md --readme README.md` (about a minute on one core).
+Run: `OMP_NUM_THREADS=1 python -m scripts.family_table --out docs/families.md --readme README.md` (about a minute
+on one core).
 For every modeling module of the installed transformers whose experts use its experts interface it builds a
 tiny random model, offloads it under the presets of `fate_lab.offloading.support.RUNS` and a left-padded
 batch, compares tokens and logits with the plain model, and writes one row per module (exact / refused and
@@ -62,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path, default=None,
                         help="a family table written here before (e.g. docs/families.md): report what changed")
     args = parser.parse_args(argv)
-    from fate_lab.offloading.support import support_counts, support_markdown, support_readme, support_table, write_readme_table
+    from fate_lab.offloading.support import (
+        support_counts,
+        support_markdown,
+        support_readme,
+        support_table,
+        write_readme_table,
+    )
 
     if args.compare is not None and not args.compare.is_file():
         parser.error(f"--compare {args.compare}: no such file; give a table this script wrote, e.g. docs/families.md")

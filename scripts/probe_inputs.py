@@ -68,24 +68,33 @@ def probes():
     link = LinkProfile("l", 1e9, 1e-5)
     model = tiny_model("olmoe", seed=0)
     tmp = Path(tempfile.mkdtemp())
-    yield "config: transfer_timeout_s=nan", "transfer_timeout_s", lambda: OffloadConfig.preset("fate", transfer_timeout_s=math.nan)
-    yield "config: transfer_timeout_s=0", "transfer_timeout_s", lambda: OffloadConfig.preset("fate", transfer_timeout_s=0)
-    yield "config: transfer_timeout_s=-1", "transfer_timeout_s", lambda: OffloadConfig.preset("fate", transfer_timeout_s=-1)
-    yield "config: admit_prefetch='sometimes'", "admit_prefetch", lambda: OffloadConfig.preset("fate", admit_prefetch="sometimes")
+    yield "config: transfer_timeout_s=nan", "transfer_timeout_s", lambda: OffloadConfig.preset(
+        "fate", transfer_timeout_s=math.nan)
+    yield "config: transfer_timeout_s=0", "transfer_timeout_s", lambda: OffloadConfig.preset(
+        "fate", transfer_timeout_s=0)
+    yield "config: transfer_timeout_s=-1", "transfer_timeout_s", lambda: OffloadConfig.preset(
+        "fate", transfer_timeout_s=-1)
+    yield "config: admit_prefetch='sometimes'", "admit_prefetch", lambda: OffloadConfig.preset(
+        "fate", admit_prefetch="sometimes")
     yield "config: calibration_steps=0", "calibration_steps", lambda: OffloadConfig.preset("fate", calibration_steps=0)
-    yield "config: prefetch_buffer_experts=-2", "prefetch_buffer_experts=-2", lambda: OffloadConfig.preset("fate", prefetch_buffer_experts=-2)
+    yield "config: prefetch_buffer_experts=-2", "prefetch_buffer_experts=-2", lambda: OffloadConfig.preset(
+        "fate", prefetch_buffer_experts=-2)
     yield "config: slots=2.5", "slots", lambda: OffloadConfig.preset("fate", slots=2.5)
     yield "config: budget=-1", "budget", lambda: OffloadConfig.preset("fate", budget=-1)
     yield "config: link='pcie9'", "link", lambda: OffloadConfig.preset("fate", link="pcie9")
     yield "config: quant='int5'", "quant", lambda: OffloadConfig.preset("fate", quant="int5")
     yield "config: replacement='fifo'", "replacement", lambda: OffloadConfig.preset("fate", replacement="fifo")
     yield "config: context_len=0", "context_len", lambda: OffloadConfig.preset("fate", context_len=0)
-    yield "config: prefetch_window=inf", "prefetch_window", lambda: OffloadConfig.preset("fate", prefetch_window=math.inf)
-    yield "config: layer_compute_s=nan", "layer_compute_s", lambda: OffloadConfig.preset("fate", layer_compute_s=math.nan)
-    yield "config: lossy_threshold=nan", "lossy_threshold", lambda: OffloadConfig.preset("fate", lossy_threshold=math.nan)
+    yield "config: prefetch_window=inf", "prefetch_window", lambda: OffloadConfig.preset(
+        "fate", prefetch_window=math.inf)
+    yield "config: layer_compute_s=nan", "layer_compute_s", lambda: OffloadConfig.preset(
+        "fate", layer_compute_s=math.nan)
+    yield "config: lossy_threshold=nan", "lossy_threshold", lambda: OffloadConfig.preset(
+        "fate", lossy_threshold=math.nan)
     yield "config: min_similarity=2", "min_similarity", lambda: OffloadConfig.preset("substitute", min_similarity=2.0)
     yield "config: cache='yes'", "cache", lambda: OffloadConfig.preset("fate", cache="yes")
-    yield "offload: store='ssd' without checkpoint", "checkpoint", lambda: fate_lab.offload(model, OffloadConfig.preset("fate", store="ssd"))
+    yield "offload: store='ssd' without checkpoint", "checkpoint", lambda: fate_lab.offload(
+        model, OffloadConfig.preset("fate", store="ssd"))
     yield "config: rule='percentile'", "rule", lambda: OffloadConfig.preset("fate", rule="percentile")
     yield "config: unknown preset", "unknown preset", lambda: OffloadConfig.preset("fastest")
     yield "config: unknown field", "no field", lambda: OffloadConfig.preset("fate", slotz=4)
@@ -101,12 +110,14 @@ def probes():
     yield "simulate: trace ids above the shape's experts", "up to 15", lambda: simulate(
         from_routing_array(torch.tensor([[[0, 15], [3, 9]]]), num_experts=16), OffloadConfig.preset("lru", slots=4),
         Hardware(prof, link), shape8)
-    yield "simulate: layers differ", "MoE layers", lambda: simulate(tr, OffloadConfig.preset("lru", slots=2),
-                                                                    Hardware(prof, link), ModelShape(3, 3, 8, 2, 8, 8, torch.float32, 0, 0))
+    yield "simulate: layers differ", "MoE layers", lambda: simulate(
+        tr, OffloadConfig.preset("lru", slots=2), Hardware(prof, link),
+        ModelShape(3, 3, 8, 2, 8, 8, torch.float32, 0, 0))
     yield "simulate: fate on a routing-only trace", "gate inputs", lambda: simulate(
         from_routing_array(torch.tensor([[[0, 1], [1, 2]]]), num_experts=8), OffloadConfig.preset("fate", slots=4),
         Hardware(prof, link), shape8)
-    yield "simulate: not a config", "OffloadConfig", lambda: simulate(tr, {"preset": "lru"}, Hardware(prof, link), shape8)
+    yield "simulate: not a config", "OffloadConfig", lambda: simulate(
+        tr, {"preset": "lru"}, Hardware(prof, link), shape8)
     yield "simulate: no compute profile", "compute profile", lambda: simulate(
         from_routing_array(torch.tensor([[[0, 1], [1, 2]]]), num_experts=8), OffloadConfig.preset("lru", slots=4),
         Hardware(None, link), shape8)
@@ -121,7 +132,8 @@ def probes():
                                                                       admit_prefetch="sometimes")
     yield "miss_curves: too few experts", "num_experts", lambda: miss_curves(ex, 2)
     yield "miss_curves: 10^6 experts", "max_replays", lambda: miss_curves(ex, 10**6)
-    yield "routing array: 0 tokens", "0 tokens", lambda: from_routing_array(torch.zeros(0, 2, 2, dtype=torch.long), num_experts=4)
+    yield "routing array: 0 tokens", "0 tokens", lambda: from_routing_array(
+        torch.zeros(0, 2, 2, dtype=torch.long), num_experts=4)
     yield "routing array: floats", "integer", lambda: from_routing_array(torch.rand(2, 1, 2), num_experts=4)
     yield "routing array: k > E", "k=", lambda: from_routing_array(torch.tensor([[[0, 1, 2]]]), num_experts=2)
     yield "trace: load a folder", "folder", lambda: Trace.load(tmp)
@@ -129,8 +141,10 @@ def probes():
     yield "trace: load a corrupt file", "bad.safetensors", lambda: Trace.load(tmp / "bad.safetensors")
     yield "trace: load a missing file", "nothing", lambda: Trace.load(tmp / "nothing.safetensors")
     yield "record_trace: prompts=[]", "prompts", lambda: record_trace(model, None, [], progress=False)
-    yield "record_trace: decode_tokens=2.5", "decode_tokens", lambda: record_trace(model, None, [[1, 2]], decode_tokens=2.5, progress=False)
-    yield "record_trace: out-of-vocabulary id", "vocabulary", lambda: record_trace(model, None, [[1, 500]], progress=False)
+    yield "record_trace: decode_tokens=2.5", "decode_tokens", lambda: record_trace(
+        model, None, [[1, 2]], decode_tokens=2.5, progress=False)
+    yield "record_trace: out-of-vocabulary id", "vocabulary", lambda: record_trace(
+        model, None, [[1, 500]], progress=False)
     yield "record_trace: one string", "single string", lambda: record_trace(model, None, "hello", progress=False)
     yield "quantize(w, 4)", "QuantSpec", lambda: quantize(torch.randn(4, 64), 4)
     yield "QuantSpec(5, 64)", "bits", lambda: QuantSpec(5, 64)
@@ -242,7 +256,8 @@ def checkpoint_probes(tmp: Path):
         folder = broken(name.replace(" ", "_").replace("'", ""), edit)
         yield f"load_offloaded: {name}", needle, lambda f=folder: load_offloaded(f, cfg)
         yield f"load_model: {name}", needle, lambda f=folder: fate_lab.load_model(f)
-    yield "load_offloaded: store='ram'", "store", lambda: load_offloaded(good, OffloadConfig.preset("fate", store="ram"))
+    yield "load_offloaded: store='ram'", "store", lambda: load_offloaded(
+        good, OffloadConfig.preset("fate", store="ram"))
     yield "load_offloaded: a file", "checkpoint folder", lambda: load_offloaded(good / "model.safetensors", cfg)
     yield "load_offloaded: config is a str", "OffloadConfig", lambda: load_offloaded(good, "fate")
     yield "load_offloaded: dtype 'fp12'", "dtype", lambda: load_offloaded(good, cfg, dtype="fp12")
@@ -274,7 +289,8 @@ def trace_probes(tmp: Path):
     yield "trace: load a 0-token file", "empty trace", lambda: Trace.load(empty_file((0, 2, 2)))
     yield "trace: load a 0-layer file", "empty trace", lambda: Trace.load(empty_file((3, 0, 2)))
     yield "trace: metadata not a JSON object", "JSON object", lambda: Trace.load(_trace_with_meta(tmp, "[1, 2]"))
-    yield "quantize: a bool tensor", "torch.bool", lambda: quantize(torch.ones(1, 64, dtype=torch.bool), QuantSpec(4, 64))
+    yield "quantize: a bool tensor", "torch.bool", lambda: quantize(
+        torch.ones(1, 64, dtype=torch.bool), QuantSpec(4, 64))
     yield "quantize: a numpy array", "numpy", lambda: quantize(np.ones((1, 64), np.float32), QuantSpec(4, 64))
     yield "quantize: group does not divide", "group_size", lambda: quantize(torch.randn(2, 48), QuantSpec(4, 64))
 
@@ -393,7 +409,8 @@ def pending_probes(tmp: Path):
     yield "plan CLI: --json is strict JSON (valid input)", None, strict_json, "issue 30"
 
     ex = torch.tensor([[[0, 1], [1, 2]], [[1, 2], [0, 2]]])  # 2 tokens, 2 layers, ids < 3
-    yield "sweep: n_jobs=0", "n_jobs", lambda: sweep(ex, boundaries=[0], budgets=[2], num_experts=3, n_jobs=0), "issue 34"
+    yield "sweep: n_jobs=0", "n_jobs", lambda: sweep(
+        ex, boundaries=[0], budgets=[2], num_experts=3, n_jobs=0), "issue 34"
     yield "miss_curves: n_jobs=0", "n_jobs", lambda: miss_curves(ex, 3, n_jobs=0), "issue 34"
     yield "sweep: boundary 8 > 2 layers", "boundar", lambda: sweep(ex, boundaries=[8], budgets=[4], num_experts=3), \
         "issue 34"

@@ -72,27 +72,30 @@ def _row(status, types) -> dict:
     h2.remove()
     same = seen["router"].reshape(-1, a.hidden_size).shape == seen["experts"].shape and torch.equal(
         seen["router"].reshape(seen["experts"].shape), seen["experts"])
-    spec, fit, site, layout = a.router_spec, a.fit(next(m for m in range(a.num_moe_layers)
-                                                     if set(a.router_site(m).missing) <= set(a.router_site(m).optional))), \
-        a.router_site(0), a.layouts[0]
+    fitted = next(m for m in range(a.num_moe_layers) if set(a.router_site(m).missing) <= set(a.router_site(m).optional))
+    spec, fit, site, layout = a.router_spec, a.fit(fitted), a.router_site(0), a.layouts[0]
     config = model.config.get_text_config()
     kinds = sorted({str(t) for t in (getattr(config, "layer_types", None) or [])})
     shared = a.shared_module(0)
+    missing = {n for m in range(a.num_moe_layers) for n in a.router_site(m).missing}
+    shared_gate = " + sigmoid gate" if hasattr(a.block(0), "shared_expert_gate") else ""
     row.update({
         "block": f"{_path(model, a.block(0))} ({type(a.block(0)).__name__})",
-        "router": f"{type(a.router(0)).__name__} -> (scores [T, {spec.num_experts}], weights, indices); {spec.scoring}, choice on {fit.choice}{' + bias' if spec.has_correction_bias else ''}, "
+        "router": f"{type(a.router(0)).__name__} -> (scores [T, {spec.num_experts}], weights, indices); "
+                  f"{spec.scoring}, choice on {fit.choice}{' + bias' if spec.has_correction_bias else ''}, "
                   f"norm={spec.norm_topk_prob}, scale={spec.routed_scaling_factor}"
                   f"{f', groups {spec.n_group}/{spec.topk_group}' if spec.n_group else ''}"
                   f"{'' if spec.exact else ', not select_experts-modelled'}"
                   f"{f'; block passes {list(site.bound)}' if site.bound else ''}"
-                  f"{f'; needs {sorted({n for m in range(a.num_moe_layers) for n in a.router_site(m).missing})}' if any(a.router_site(m).missing for m in range(a.num_moe_layers)) else ''}",
+                  f"{f'; needs {sorted(missing)}' if missing else ''}",
         "gate_input": "the experts' input" if same else "differs from the experts' input",
         "experts": f"{layout.experts_class}: gate={layout.has_gate}, bias={layout.has_bias}, "
                    f"transposed={layout.is_transposed}, concatenated={layout.is_concatenated}, "
-                   f"post_norm={layout.has_post_expert_norm}, own_gate={layout.custom_gate}, accumulate={layout.accumulate}"
+                   f"post_norm={layout.has_post_expert_norm}, own_gate={layout.custom_gate}, "
+                   f"accumulate={layout.accumulate}"
                    f"{', compute fp32' if layout.compute_fp32 else ''}",
         "E/k": f"{a.num_experts}/{a.top_k}",
-        "shared": "-" if shared is None else type(shared).__name__ + (" + sigmoid gate" if hasattr(a.block(0), "shared_expert_gate") else ""),
+        "shared": "-" if shared is None else type(shared).__name__ + shared_gate,
         "dense": str([i for i in range(a.num_layers) if i not in a.moe_layers]),
         "layer_types": ", ".join(kinds) or "-",
     })
@@ -134,18 +137,20 @@ def main() -> None:
     read = sum(1 for r in rows if r.get("read") == "one expert at a time")
     lean = sum(1 for r in rows if r.get("lean_load") == "yes")
     lines = [f"# Experts-interface MoE families in transformers {transformers.__version__}", "",
-             f"- modeling modules with `@use_experts_implementation` classes: **{len(modules)}** ({n_types} model types)",
+             f"- modeling modules with `@use_experts_implementation` classes: **{len(modules)}** "
+             f"({n_types} model types)",
              f"- with a causal-LM class: **{n_causal}**; tiny model builds and generates here: **{len(causal)}**",
              (f"- without one: {len(rows) - len(causal)}; of those, base text towers that build (forward only): "
               f"**{len(towers)}** ({', '.join(r['family'] for r in towers)})"),
-             f"- one expert at a time from a save_pretrained checkpoint: {read}; lean load (experts on meta): {lean}", ""]
+             f"- one expert at a time from a save_pretrained checkpoint: {read}; "
+             f"lean load (experts on meta): {lean}", ""]
     lines += ["| module | family | status | E/k | router | experts | on disk |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         short = r["status"] if len(r["status"]) < 60 else r["status"][:57] + "..."
         router = r.get("router", "").split(";")[1].strip() if ";" in r.get("router", "") else "-"
         experts = r.get("experts", r["static"]).split(":", 1)[-1].strip()
-        disk = ("per-expert keys" if "per-expert" in r.get("on_disk", "") else "fused" if "fused" in r.get("on_disk", "")
-                else "-")
+        on_disk = r.get("on_disk", "")
+        disk = "per-expert keys" if "per-expert" in on_disk else "fused" if "fused" in on_disk else "-"
         lines.append(f"| {r['module']} | {r['family']} | {short.replace('|', '/')} | {r.get('E/k', '-')} | "
                      f"{router.replace('|', '/')} | {experts.replace('|', '/')} | {disk} |")
     lines.append("")

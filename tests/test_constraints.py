@@ -1,9 +1,9 @@
 """constraints.txt: the pins `make setup` installs with are exact, leave torch to the user, and sit inside
 the ranges pyproject.toml declares (a pin outside them would make pip refuse the install); `make check-newest`
 tries the newest transformers those ranges allow, in a venv of its own, and CI runs it as a report only."""
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

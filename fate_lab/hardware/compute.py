@@ -47,8 +47,8 @@ class ComputeProfile:
                 raise ValueError(f"ComputeProfile {self.name!r}: {f.name}={v!r} s; give a finite number of "
                                  "seconds >= 0")
         if self.busy_factor < 1:
-            raise ValueError(f"ComputeProfile {self.name!r}: busy_factor={self.busy_factor!r}; a busy link can only slow "
-                             "the compute thread down: give a number >= 1 (1: no slow-down)")
+            raise ValueError(f"ComputeProfile {self.name!r}: busy_factor={self.busy_factor!r}; a busy link can "
+                             "only slow the compute thread down: give a number >= 1 (1: no slow-down)")
         if self.dense_s + self.expert_s <= 0:
             raise ValueError(f"ComputeProfile {self.name!r}: dense_s and expert_s are both 0, so a forward takes no "
                              "time and tokens/s is undefined; give at least one of them > 0")

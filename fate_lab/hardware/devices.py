@@ -74,9 +74,12 @@ DEVICES: dict[str, DeviceSpec] = {
                           source=f"{_ADA}: 1008 GB/s, 165.2 (330.3) TFLOP/s, 24 GB"),
     "rtx5090": DeviceSpec("GeForce RTX 5090", 1792 * GB, 209.5 * TF, 32, "pcie5_x16",
                           source="nvidia.com RTX 5090 page: 1792 GB/s, 32 GB, PCIe 5.0; 419 TFLOP/s FP16-accumulate "
-                                 "dense, FP32-accumulate rate unpublished: 209.5 = half, by analogy with Ada (estimate)"),
-    "rtx4070": DeviceSpec("GeForce RTX 4070", 504 * GB, 58.3 * TF, 12, "pcie4_x16", source=f"{_ADA}: 504 GB/s, 58.3 (116.6)"),
-    "rtx3060": DeviceSpec("GeForce RTX 3060 12GB", 360 * GB, 25.5 * TF, 12, "pcie4_x16", source=f"{_GA102}: 360 GB/s, 25.5 (51)"),
+                                 "dense, FP32-accumulate rate unpublished: 209.5 = half, by analogy with Ada "
+                                 "(estimate)"),
+    "rtx4070": DeviceSpec("GeForce RTX 4070", 504 * GB, 58.3 * TF, 12, "pcie4_x16",
+                          source=f"{_ADA}: 504 GB/s, 58.3 (116.6)"),
+    "rtx3060": DeviceSpec("GeForce RTX 3060 12GB", 360 * GB, 25.5 * TF, 12, "pcie4_x16",
+                          source=f"{_GA102}: 360 GB/s, 25.5 (51)"),
     "rtx4060_laptop": DeviceSpec("GeForce RTX 4060 Laptop GPU", 256 * GB, 21.5 * TF, 8, "pcie4_x8",
                                  source="nvidia.com 40-series laptops: 256 GB/s, 8 GB, PCIe 4.0 x8; 21.5 (43) TFLOP/s"),
     "rtx2080": DeviceSpec("GeForce RTX 2080", 448 * GB, 40.3 * TF, 8, "pcie3_x16",
@@ -88,16 +91,20 @@ DEVICES: dict[str, DeviceSpec] = {
                             source="nvidia.com 10-series: 484 GB/s, 11 GB, PCIe 3.0; no tensor cores: fp16 GEMM at the "
                                    "11.3 TFLOP/s FP32 rate (cuBLAS FP32 compute)"),
     # data centre: dense BF16/FP16 tensor (never the 2:4-sparsity headline)
-    "a100_40gb": DeviceSpec("A100 40GB (SXM4)", 1555 * GB, 312 * TF, 40, "pcie4_x16", source=f"{_A100}: 1555 GB/s, 312 dense"),
-    "a100_80gb": DeviceSpec("A100 80GB (SXM4)", 2039 * GB, 312 * TF, 80, "pcie4_x16", source=f"{_A100}: 2039 GB/s, 312 dense"),
+    "a100_40gb": DeviceSpec("A100 40GB (SXM4)", 1555 * GB, 312 * TF, 40, "pcie4_x16",
+                            source=f"{_A100}: 1555 GB/s, 312 dense"),
+    "a100_80gb": DeviceSpec("A100 80GB (SXM4)", 2039 * GB, 312 * TF, 80, "pcie4_x16",
+                            source=f"{_A100}: 2039 GB/s, 312 dense"),
     "a100_80gb_pcie": DeviceSpec("A100 80GB PCIe", 1935 * GB, 312 * TF, 80, "pcie4_x16", source=f"{_A100}: 1935 GB/s"),
     "h100_sxm": DeviceSpec("H100 SXM5 80GB", 3350 * GB, 989 * TF, 80, "pcie5_x16",
                            source=f"{_H100}: 3.35 TB/s, 989 dense BF16 (1,979 is with sparsity)"),
     "h200": DeviceSpec("H200 SXM 141GB", 4800 * GB, 989 * TF, 141, "pcie5_x16",
                        source="NVIDIA H200 datasheet: 4.8 TB/s HBM3e, 141 GB, 989 dense BF16 (as H100 SXM); measured "
                               "here on a lent one: device copy ~4.3 TB/s, 8192^3 bf16 GEMM 770-800 TFLOP/s"),
-    "h100_pcie": DeviceSpec("H100 PCIe 80GB", 2000 * GB, 756 * TF, 80, "pcie5_x16", source=f"{_H100}: 2.0 TB/s, 756 dense"),
-    "l4": DeviceSpec("NVIDIA L4", 300 * GB, 121 * TF, 24, "pcie4_x16", source="nvidia.com/en-us/data-center/l4: 300 GB/s, 121"),
+    "h100_pcie": DeviceSpec("H100 PCIe 80GB", 2000 * GB, 756 * TF, 80, "pcie5_x16",
+                            source=f"{_H100}: 2.0 TB/s, 756 dense"),
+    "l4": DeviceSpec("NVIDIA L4", 300 * GB, 121 * TF, 24, "pcie4_x16",
+                     source="nvidia.com/en-us/data-center/l4: 300 GB/s, 121"),
     "t4": DeviceSpec("Tesla T4", 320 * GB, 65 * TF, 16, "pcie3_x16",
                      source="nvidia.com T4 datasheet: 320 GB/s, 65 TFLOP/s FP16 mixed, 16 GB, PCIe 3.0 x16"),
     # unified memory: the experts are in the same DRAM the accelerator reads; an offloaded tier is an SSD
@@ -132,7 +139,8 @@ DEVICES.update({
     "rtx4090d": DeviceSpec("GeForce RTX 4090 D", 1008 * GB, 147 * TF, 24, "pcie4_x16",
                            source="nvidia.cn RTX 4090 D: 1008 GB/s, 24 GB, 114 SMs: the 4090's rate x 114/128"),
     "rtx5080": DeviceSpec("GeForce RTX 5080", 960 * GB, 112.6 * TF, 16, "pcie5_x16", source=f"{_BLACKWELL}: 960 GB/s"),
-    "rtx5070ti": DeviceSpec("GeForce RTX 5070 Ti", 896 * GB, 87.9 * TF, 16, "pcie5_x16", source=f"{_BLACKWELL}: 896 GB/s"),
+    "rtx5070ti": DeviceSpec("GeForce RTX 5070 Ti", 896 * GB, 87.9 * TF, 16, "pcie5_x16",
+                            source=f"{_BLACKWELL}: 896 GB/s"),
     "rtx5060ti_16gb": DeviceSpec("GeForce RTX 5060 Ti 16GB", 448 * GB, 47.4 * TF, 16, "pcie5_x8",
                                  source=f"{_BLACKWELL}: 448 GB/s, PCIe 5.0 x8"),
     "rtx_pro_6000": DeviceSpec("RTX PRO 6000 Blackwell", 1792 * GB, 251.9 * TF, 96, "pcie5_x16",
@@ -145,15 +153,18 @@ DEVICES.update({
     "rtx_a4000": DeviceSpec("RTX A4000", 448 * GB, 76.7 * TF, 16, "pcie4_x16", source=f"{_AMPERE_WS}: 448 GB/s"),
     "rtx_a5000": DeviceSpec("RTX A5000", 768 * GB, 111.1 * TF, 24, "pcie4_x16", source=f"{_AMPERE_WS}: 768 GB/s"),
     "rtx_a6000": DeviceSpec("RTX A6000", 768 * GB, 154.8 * TF, 48, "pcie4_x16", source=f"{_AMPERE_WS}: 768 GB/s"),
-    "l40s": DeviceSpec("NVIDIA L40S", 864 * GB, 362 * TF, 48, "pcie4_x16", source="nvidia.com L40S: 864 GB/s, 362 dense"),
-    "v100": DeviceSpec("Tesla V100 SXM2 32GB", 900 * GB, 125 * TF, 32, "pcie3_x16", source="nvidia.com V100: 900 GB/s, 125"),
+    "l40s": DeviceSpec("NVIDIA L40S", 864 * GB, 362 * TF, 48, "pcie4_x16",
+                       source="nvidia.com L40S: 864 GB/s, 362 dense"),
+    "v100": DeviceSpec("Tesla V100 SXM2 32GB", 900 * GB, 125 * TF, 32, "pcie3_x16",
+                       source="nvidia.com V100: 900 GB/s, 125"),
     "rx7900xtx": DeviceSpec("Radeon RX 7900 XTX", 960 * GB, 122.8 * TF, 24, "pcie4_x16",
                             source="amd.com RX 7900 XTX: 960 GB/s, 24 GB; 122.8 TFLOP/s FP16 (WMMA)"),
     "dgx_spark": DeviceSpec("DGX Spark (GB10)", 273 * GB, 125 * TF, 128, "unified", unified=True,
                             source="nvidia.com DGX Spark: 128 GB LPDDR5x unified, 273 GB/s; 1 PFLOP FP4 sparse -> "
                                    "~125 TFLOP/s FP16 dense (estimate)"),
     "apple_m3_ultra": DeviceSpec("Apple M3 Ultra (80-core GPU)", 819 * GB, 28 * TF, 512, "unified", unified=True,
-                                 source="apple.com newsroom (M3 Ultra): 819 GB/s, up to 512 GB; ~28 TFLOP/s (estimate)"),
+                                 source="apple.com newsroom (M3 Ultra): 819 GB/s, up to 512 GB; ~28 TFLOP/s "
+                                        "(estimate)"),
 })
 _SIZE = {"gib": 1.0, "gb": 1e9 / 2**30, "mib": 2**-10, "tib": 2**10}
 _RATE = {"gbps": 1e9, "tbps": 1e12, "tflops": 1e12, "gflops": 1e9}
@@ -189,5 +200,6 @@ def device(name: str, flag: str = "--device") -> DeviceSpec:
     return DeviceSpec(f"device {name}", _spec_number(kv["bw"], {k: v for k, v in _RATE.items() if "bps" in k}, flag,
                                                      usage),
                       _spec_number(kv["fp16"], {k: v for k, v in _RATE.items() if "flops" in k}, flag, usage),
-                      _spec_number(kv["mem"], _SIZE, flag, usage), "unified" if unified else kv.get("link", "pcie4_x16"),
+                      _spec_number(kv["mem"], _SIZE, flag, usage),
+                      "unified" if unified else kv.get("link", "pcie4_x16"),
                       unified=unified, source="--device spec")

@@ -69,8 +69,9 @@ HOST_PROFILES: dict[str, HostProfile] = {
     # The hosts of published offloading figures (peak = channels x 8 B x MT/s; the 0.5 efficiency for fp16/bf16
     # expert GEMVs is OUR starting estimate: 4-bit GGUF kernels reach 0.23-0.33 of peak in kTransformers'
     # and ik_llama.cpp's reports, which include the dequantize; no bf16 measurement was found)
-    "xeon_gold_6454s": HostProfile("Xeon Gold 6454S, 32 cores, 8ch DDR5-4800 (one socket)", 0.5 * 307.2e9, 0.4 * 65.5e12,
-                                   30e-6, "kTransformers' DeepSeek-V3 host; 307.2 GB/s peak; AMX BF16 65.5 TFLOP/s peak"),
+    "xeon_gold_6454s": HostProfile("Xeon Gold 6454S, 32 cores, 8ch DDR5-4800 (one socket)", 0.5 * 307.2e9,
+                                   0.4 * 65.5e12, 30e-6,
+                                   "kTransformers' DeepSeek-V3 host; 307.2 GB/s peak; AMX BF16 65.5 TFLOP/s peak"),
     "threadripper_pro_5975wx": HostProfile("Threadripper PRO 5975WX, 32 cores, 8ch DDR4-3200", 0.5 * 204.8e9,
                                            0.4 * 3.69e12, 30e-6, "ik_llama.cpp gpt-oss-120b host; 204.8 GB/s peak"),
     "i9_10900x": HostProfile("Core i9-10900X, 10 cores, 4ch DDR4", 0.5 * 102e9, 0.4 * 1.9e12, 30e-6,

@@ -1,9 +1,9 @@
-"""Named compute profiles of real models on real devices: derived by the roofline, and the first hand estimates.
+"""Named compute profiles of real models on real devices: derived by the roofline, and hand estimates beside them.
 
 What this file is: `COMPUTE_PROFILES`, each the roofline (`roofline.py`) of a published model's costs
 (`models.PUBLISHED_COSTS`) on a catalogued device (`devices.py`) with the prediction on a catalogued host CPU;
-and `HAND_PROFILES`, the constants the first version wrote by hand for the same pairs, kept for the
-side-by-side comparison (`compare_profiles`). Both are OUR estimates, not measurements, not the paper's.
+and `HAND_PROFILES`, constants estimated by hand for the same pairs (the arithmetic in the comment above
+them), for the side-by-side comparison (`compare_profiles`). Both are OUR estimates, not measurements, not the paper's.
 What it is not: a calibration of this machine (`fate_lab/fit/calibrate.py`).
 """
 from __future__ import annotations

@@ -41,7 +41,8 @@ class ModelCosts:
     num_layers: int = 1  # decoder layers the head is spread over
 
 
-def derive_compute(costs: ModelCosts, dev: DeviceSpec, host: HostProfile | None = None, name: str = "") -> ComputeProfile:
+def derive_compute(costs: ModelCosts, dev: DeviceSpec, host: HostProfile | None = None,
+                   name: str = "") -> ComputeProfile:
     """The `ComputeProfile` of a model's costs on a device (and a host CPU for the prediction), by the roofline
     of the module docstring."""
     head = costs.head_bytes / max(1, costs.num_layers)

@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fate_lab.hardware.compute import ComputeProfile
-from fate_lab.hardware.profiles import COMPUTE_PROFILES, compute_profile
 from fate_lab.hardware.hosts import HostProfile, HostTime, host_profile
 from fate_lab.hardware.links import LINK_PROFILES, LinkProfile, link_profile
 from fate_lab.hardware.models import expert_bytes as published_expert_bytes
 from fate_lab.hardware.models import published_config
+from fate_lab.hardware.profiles import COMPUTE_PROFILES, compute_profile
 
 
 @dataclass(frozen=True)

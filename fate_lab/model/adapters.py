@@ -172,10 +172,6 @@ class MoEAdapter:
             r = call_router(self._sites[m], gate_input, **inputs)
         return r.scores, r.weights, r.indices
 
-    def route_logits(self, m: int, gate_input: torch.Tensor) -> torch.Tensor:
-        """Compatibility alias: the router's first output [T, E] float32 (`route(m, x)[0]`)."""
-        return self.route(m, gate_input)[0]
-
     def probs(self, m: int, gate_input: torch.Tensor, **inputs) -> torch.Tensor:
         """Per-expert probabilities [T, E] float32 of layer m's router on gate_input [T, H] (Fate's predictor
         reads `probs(m + 1, gate input of layer m)`)."""

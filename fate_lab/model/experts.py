@@ -236,7 +236,8 @@ def expert_refusal(mod: nn.Module, family: str) -> str | None:
     name = type(mod).__name__
     if getattr(mod, "_is_expert_parallel", False):
         return f"{family}: {name} is expert-parallel (sharded over devices); load the model on one device"
-    layout_params = {n for n, _ in mod.named_parameters(recurse=False)} | {n for n, _ in mod.named_buffers(recurse=False)}
+    layout_params = ({n for n, _ in mod.named_parameters(recurse=False)}
+                     | {n for n, _ in mod.named_buffers(recurse=False)})
     need = {"gate_up_proj" if mod.has_gate else "up_proj", "down_proj"}
     if mod.has_bias:
         need |= {f"{n}_bias" for n in need}

@@ -2,8 +2,10 @@
 
 What it is: one call, ``load_model(name_or_path_or_None, device=..., dtype=...)``, that loads a model
 and its tokenizer from a local directory (never from a hub) and checks that its model type is a causal-LM
-MoE family whose transformers modeling uses the experts interface (`families.experts_interface_families`). ``None`` is the default embedded model; ``"tiny_moe"`` and ``"tiny_deepseek"`` name the
-embedded models (``fate_lab.paths.EMBEDDED_MODELS``); anything else is a folder. What it is not: a downloader; safetensors only (no pickled weights).
+MoE family whose transformers modeling uses the experts interface (`families.experts_interface_families`).
+``None`` is the default embedded model; ``"tiny_moe"`` and ``"tiny_deepseek"`` name the embedded models
+(``fate_lab.paths.EMBEDDED_MODELS``); anything else is a folder. What it is not: a downloader; safetensors only
+(no pickled weights).
 
 A model folder holds ``config.json``, ``*.safetensors`` weights and tokenizer files
 (``tokenizer.json``, or ``tokenizer.model``, or ``vocab.json`` + ``merges.txt``, or ``vocab.txt``).

@@ -129,10 +129,12 @@ def record_trace(model, tokenizer, prompts: list, decode_tokens: int = 32, max_p
     weights = [s.weight() for s in sites]
     # the [E, H] router weights, when every layer has one (an MLP router, e.g. ZAYA's, has none), and the
     # routers' logit biases when any has one (gpt-oss): what a simulator needs to predict as the runtime does
-    router_weights = None if any(w is None for w in weights) else torch.stack([w.detach().float().cpu() for w in weights])
+    router_weights = (None if any(w is None for w in weights)
+                      else torch.stack([w.detach().float().cpu() for w in weights]))
     biases = [logit_bias(s) for s in sites]
     router_biases = None if router_weights is None or all(b is None for b in biases) else torch.stack(
-        [torch.zeros(w.shape[0]) if b is None else b.detach().float().cpu() for w, b in zip(weights, biases)])
+        [torch.zeros(w.shape[0]) if b is None else b.detach().float().cpu()
+         for w, b in zip(weights, biases, strict=True)])
     routers = adapter.host_routers()
     meta = {
         "source": "record_trace", "family": adapter.family, "model": str(getattr(model.config, "_name_or_path", "")),

@@ -281,7 +281,8 @@ def fit_router(site: RouterSite, tokens: int = 256, seed: int = 0) -> RouterFit:
     lin_tol = 1e-3 if x.dtype == torch.float32 else 2e-2  # a bf16/fp16 product differs from the fp32 one by ~1e-2
     linear = weight is not None and l.shape[1] == E and scoring != "none" and torch.allclose(
         F.linear(x.float(), weight.float(), logit_bias(site)), r.scores, rtol=lin_tol, atol=lin_tol)
-    spec = RouterSpec(**{**spec.__dict__, "exact": exact, "linear": bool(linear), "routed_scaling_factor": round(scale, 4)})
+    spec = RouterSpec(**{**spec.__dict__, "exact": exact, "linear": bool(linear),
+                         "routed_scaling_factor": round(scale, 4)})
     return RouterFit(spec, bias, choice, stateless=bool(site.optional))
 
 

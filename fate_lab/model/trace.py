@@ -81,7 +81,8 @@ class Trace:
             if t is not None and (t.shape[:2] != (N, L) or (trailing and t.shape[2:] != trailing)):
                 raise ValueError(f"Trace.{name} has shape {tuple(t.shape)}, expected ({N}, {L}, ...)")
         if self.experts.numel() and (self.experts.min() < 0 or self.experts.max() >= self.num_experts):
-            raise ValueError(f"expert ids must lie in [0, {self.num_experts}); got {self.experts.min()}..{self.experts.max()}")
+            raise ValueError(f"expert ids must lie in [0, {self.num_experts}); "
+                             f"got {self.experts.min()}..{self.experts.max()}")
         if self.router_weights is not None:
             rw = self.router_weights
             H = None if self.gate_inputs is None else self.gate_inputs.shape[-1]
@@ -308,8 +309,9 @@ def from_routing_array(routing, num_experts: int | None = None, phase=None, prom
     if N == 0:
         raise ValueError("routing has 0 tokens: a trace needs at least one token's routing")
     if L == 0 or k == 0:
-        raise ValueError(f"routing has shape {tuple(experts.shape)}: {'0 layers' if L == 0 else 'k=0 experts per token'}"
-                         "; a routing array is [tokens, layers >= 1, k >= 1] (each token's k expert ids in every MoE "
+        raise ValueError(f"routing has shape {tuple(experts.shape)}: "
+                         f"{'0 layers' if L == 0 else 'k=0 experts per token'}; a routing array is "
+                         "[tokens, layers >= 1, k >= 1] (each token's k expert ids in every MoE "
                          "layer)")
     if meta is not None and not isinstance(meta, Mapping):
         raise TypeError(f"meta must be a dict (JSON-serialisable), got {type(meta).__name__}")

@@ -5,6 +5,7 @@ beside it), `policy` (`QuantPolicy`: which precision an expert
 rests or travels at) and `surgery` (quality of quantized experts without the runtime). The names below
 are the package's public surface.
 """
+from fate_lab.quant.experts import PackedExpert, pack_expert
 from fate_lab.quant.kernels import (
     REASONS,
     SUPPORTED_BITS,
@@ -19,10 +20,9 @@ from fate_lab.quant.kernels import (
     reconstruction_error,
     unpack,
 )
-from fate_lab.quant.experts import PackedExpert, pack_expert
 from fate_lab.quant.policy import QuantPolicy
 from fate_lab.quant.surgery import quality_report, quantize_model_experts
 
-__all__ = ["REASONS", "SUPPORTED_BITS", "PackedExpert", "QuantPolicy", "QuantSpec", "QuantizedTensor", "expert_nbytes", "pack",
-           "pack_expert", "packed_nbytes", "quality_report", "quantize", "quantize_expert", "quantize_model_experts",
-           "quantized_nbytes", "reconstruction_error", "unpack"]
+__all__ = ["REASONS", "SUPPORTED_BITS", "PackedExpert", "QuantPolicy", "QuantSpec", "QuantizedTensor",
+           "expert_nbytes", "pack", "pack_expert", "packed_nbytes", "quality_report", "quantize", "quantize_expert",
+           "quantize_model_experts", "quantized_nbytes", "reconstruction_error", "unpack"]

@@ -3,8 +3,8 @@
 What it is: pure functions, tensors in and tensors out, that quantize an expert's weights into
 packed uint8 codes plus one fp16 scale and one fp16 zero per group (`quantize`, `pack`,
 `unpack`, `QuantizedTensor.dequantize`); byte counts for the memory planner that need no tensor
-(`quantized_nbytes`, `expert_nbytes`); and the reconstruction error of a spec (`reconstruction_error`). It runs on any torch
-device (plain torch ops). The policy saying which precision an expert travels or rests at is
+(`quantized_nbytes`, `expert_nbytes`); and the reconstruction error of a spec (`reconstruction_error`). It runs on
+any torch device (plain torch ops). The policy saying which precision an expert travels or rests at is
 `policy.py`; a quality evaluator that needs no runtime is `surgery.py`.
 
 What it is not: the store, the transfer engine or the offloaded block; those hold

@@ -10,7 +10,6 @@ What it is not: an assertion of speed. Machines are shared and noisy; report the
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -40,8 +39,8 @@ def time_generate(model, input_ids: torch.Tensor, new_tokens: int, repeats: int 
     runs = []
     for _ in range(repeats):
         spans: list[list[float]] = []
-        pre = model.register_forward_pre_hook(lambda *_: spans.append([time.perf_counter()]))
-        post = model.register_forward_hook(lambda *_: spans[-1].append(time.perf_counter()))
+        pre = model.register_forward_pre_hook(lambda *_, spans=spans: spans.append([time.perf_counter()]))
+        post = model.register_forward_hook(lambda *_, spans=spans: spans[-1].append(time.perf_counter()))
         try:
             with pinned():
                 out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -150,7 +149,8 @@ def compare_presets(model, input_ids: torch.Tensor, configs: dict[str, OffloadCo
 
 def same_prefix(tokens: list[int], reference: list[int]) -> float:
     """The share of `tokens` before the first one that differs from `reference` (1.0: all the same)."""
-    n = next((i for i, (x, y) in enumerate(zip(tokens, reference)) if x != y), min(len(tokens), len(reference)))
+    n = next((i for i, (x, y) in enumerate(zip(tokens, reference, strict=False)) if x != y),
+             min(len(tokens), len(reference)))
     return n / len(tokens) if tokens else float("nan")
 
 

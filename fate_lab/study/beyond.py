@@ -48,9 +48,9 @@ def side_by_side(model, tokenizer, prompts: list[str], configs: dict, link: str 
     (`clock.spread`), and its tokens must equal the plain model's in every round."""
     from tqdm.auto import tqdm
 
+    from fate_lab.core.shape import ModelShape
     from fate_lab.model.adapters import adapt
     from fate_lab.model.record import record_trace
-    from fate_lab.core.shape import ModelShape
     from fate_lab.sim.simulate import simulate
     from fate_lab.study.whatif import machine_hardware
 
@@ -96,7 +96,7 @@ def markdown(df: pd.DataFrame, digits: int = 3) -> str:
         return str(v)
 
     head = [df.index.name or ""] + [str(c) for c in df.columns]
-    rows = [[str(i)] + [cell(v) for v in r] for i, r in zip(df.index, df.itertuples(index=False))]
+    rows = [[str(i)] + [cell(v) for v in r] for i, r in zip(df.index, df.itertuples(index=False), strict=True)]
     return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
 
 
@@ -127,7 +127,7 @@ def replacement_table(trace, shape, hardware, shares=(0.25, 0.5), policies=REPLA
     df = pd.DataFrame(rows)
     best = df[list(policies)].idxmax(axis=1)
     df["best"] = best
-    df["best - arc (pts)"] = [100 * (r[b] - r["arc"]) for (_, r), b in zip(df.iterrows(), best)]
+    df["best - arc (pts)"] = [100 * (r[b] - r["arc"]) for (_, r), b in zip(df.iterrows(), best, strict=True)]
     df["belady - best (pts)"] = [100 * (r["belady"] - r[b]) if pd.notna(r.get("belady")) else float("nan")
-                                 for (_, r), b in zip(df.iterrows(), best)]
+                                 for (_, r), b in zip(df.iterrows(), best, strict=True)]
     return df.set_index(["view", "cached"])

@@ -41,6 +41,7 @@ import torch
 from fate_lab.core.config import OffloadConfig
 from fate_lab.core.driver import scaling_bytes
 from fate_lab.core.shape import ModelShape
+from fate_lab.extras import need
 from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.profiles import COMPUTE_PROFILES
@@ -257,24 +258,25 @@ def eap_margins(vs: pd.DataFrame) -> pd.DataFrame:
 
 def plot_decomposition(df: pd.DataFrame, model: str | None = None, precision: str = "fp"):
     """Stacked log2 factors per regime (one panel per cache share, ratios along x), the total as a black dot."""
-    import matplotlib.pyplot as plt
+    plt = need("matplotlib.pyplot")
 
     sub = df[(df["precision"] == precision) & ((df["model"] == model) if model is not None else True)]
     shares = sorted(sub["cached"].unique())
     comps = [c for c in COMPONENTS if c in set(sub["component"])]
-    colors = dict(zip(COMPONENTS, plt.get_cmap("tab10").colors))
+    colors = dict(zip(COMPONENTS, plt.get_cmap("tab10").colors, strict=False))
     fig, axes = plt.subplots(1, len(shares), figsize=(4.2 * len(shares), 4), sharey=True, squeeze=False)
-    for ax, share in zip(axes[0], shares):
+    for ax, share in zip(axes[0], shares, strict=True):
         part = sub[sub["cached"] == share]
         ratios = sorted(part["ratio"].unique())
         x = range(len(ratios))
         up, down = [0.0] * len(ratios), [0.0] * len(ratios)
         for comp in comps:
-            vals = [float(part[(part["ratio"] == r) & (part["component"] == comp)]["log2 factor"].sum()) for r in ratios]
-            base = [u if v >= 0 else dn for v, u, dn in zip(vals, up, down)]
+            vals = [float(part[(part["ratio"] == r) & (part["component"] == comp)]["log2 factor"].sum())
+                    for r in ratios]
+            base = [u if v >= 0 else dn for v, u, dn in zip(vals, up, down, strict=True)]
             ax.bar(x, vals, bottom=base, color=colors[comp], label=comp, width=0.7)
-            up = [u + max(v, 0) for u, v in zip(up, vals)]
-            down = [dn + min(v, 0) for dn, v in zip(down, vals)]
+            up = [u + max(v, 0) for u, v in zip(up, vals, strict=True)]
+            down = [dn + min(v, 0) for dn, v in zip(down, vals, strict=True)]
         totals = [math.log2(float(part[part["ratio"] == r]["total speed-up"].iloc[0])) for r in ratios]
         ax.plot(list(x), totals, "ko", label="total")
         ax.axhline(0, color="0.5", lw=0.8)
@@ -330,8 +332,8 @@ def decompose_runtime(model, tokenizer, points, prompts: int = 2, new_tokens: in
                          "spread": (max(rates) - min(rates)) / med, "simulated tok/s": sim})
     df = pd.DataFrame(rows)
     for col in ("runtime tok/s", "simulated tok/s"):
-        keys = list(zip(df["link"], df["cached"], df["step"]))
-        speed = dict(zip(keys, df[col]))
+        keys = list(zip(df["link"], df["cached"], df["step"], strict=True))
+        speed = dict(zip(keys, df[col], strict=True))
         df[col.replace("tok/s", "factor")] = [speed[li, sh, st] / speed[li, sh, PREVIOUS[st]] if st in PREVIOUS
                                               else float("nan") for li, sh, st in keys]
     return df

@@ -111,8 +111,8 @@ def get_trace(model: str | Path | None = None, fast: bool = False, cache: bool =
     (for anything that is tuned on a trace, such as the miss-curve allocation).
     """
     from fate_lab.model.corpus import heldout_prompts
-    from fate_lab.model.trace import Trace
     from fate_lab.model.record import record_trace
+    from fate_lab.model.trace import Trace
 
     if split not in ("eval", "calib"):
         raise ValueError(f"split must be 'eval' or 'calib', not {split!r}")

@@ -86,5 +86,5 @@ def transfer_table(breakdown, links=("pcie3_x16", "pcie4_x16", "nvme"), all_over
     lp = link_profile(all_over)
     n = breakdown["top_k"] * breakdown["moe_layers"]
     out[f"a token's routed experts over {lp.name} (ms)"] = [
-        1e3 * k * lp.transfer_time(int(b)) for k, b in zip(n, breakdown["bytes_per_expert"])]
+        1e3 * k * lp.transfer_time(int(b)) for k, b in zip(n, breakdown["bytes_per_expert"], strict=True)]
     return out

@@ -30,7 +30,7 @@ from fate_lab.hardware.links import LINK_PROFILES
 from fate_lab.hardware.setups import Hardware
 from fate_lab.model.trace import Trace
 from fate_lab.paths import EMBEDDED_MODELS
-from fate_lab.study.plan_model import CONFIGS_DIR, ModelSpec, model_names, model_spec, parse_bytes, shape_from_config
+from fate_lab.study.plan_model import ModelSpec, model_names, model_spec, parse_bytes, shape_from_config
 
 DEFAULT_PRESETS = ("load_on_demand", "lru", "activation_path", "fate", "host_compute", "static_host", "all_host",
                    "lru_quant", "fate_quant")
@@ -175,7 +175,8 @@ def plan(model: str, device_name: str, budget: str | int | None = None, link: st
         need = shape.dense_bytes + shape.kv_bytes_per_token * context + all_experts
         if cfg.all_resident and need > budget_b:
             out.skipped[name] = (f"does not fit: every expert resident needs {need / 2**30:.2f} GiB (dense "
-                                 f"{shape.dense_bytes / 2**30:.2f} + KV {shape.kv_bytes_per_token * context / 2**30:.2f}"
+                                 f"{shape.dense_bytes / 2**30:.2f} + "
+                                 f"KV {shape.kv_bytes_per_token * context / 2**30:.2f}"
                                  f" + experts {all_experts / 2**30:.2f}), budget {budget_b / 2**30:.2f} GiB")
             continue
         try:
@@ -235,10 +236,11 @@ def _routing(spec: ModelSpec, trace, fast: bool = True) -> tuple[Trace, str, boo
     if spec.name in EMBEDDED_MODELS:
         return get_trace(spec.name, fast=fast), f"{spec.name}'s own held-out trace", False
     src = "tiny_deepseek"
-    return standin_trace(spec.shape, src, fast=fast), (f"STAND-IN routing: {src}'s held-out trace mapped onto {spec.name}'s "
-                                            f"{spec.shape.num_moe_layers} layers x {spec.shape.num_experts} experts "
-                                            "(top-%d); only the presets marked as not depending on routing are "
-                                            "predictions for this model" % spec.shape.top_k), True
+    note = (f"STAND-IN routing: {src}'s held-out trace mapped onto {spec.name}'s "
+            f"{spec.shape.num_moe_layers} layers x {spec.shape.num_experts} experts "
+            "(top-%d); only the presets marked as not depending on routing are "
+            "predictions for this model" % spec.shape.top_k)
+    return standin_trace(spec.shape, src, fast=fast), note, True
 
 
 def budget_sweep(model: str, device_name: str, budgets, link: str | None = None, context: int = 4096,
@@ -255,8 +257,8 @@ def budget_sweep(model: str, device_name: str, budgets, link: str | None = None,
                 continue
             raise
         for r in p.rows:
-            rows.append({"budget (GiB)": parse_bytes(b) / 2**30, "config": r["config"], "decode tok/s": r["decode tok/s"],
-                         "decode hit rate": r["decode hit rate"]})
+            rows.append({"budget (GiB)": parse_bytes(b) / 2**30, "config": r["config"],
+                         "decode tok/s": r["decode tok/s"], "decode hit rate": r["decode hit rate"]})
     return rows
 
 

@@ -27,7 +27,8 @@ def add_plan_parser(sub) -> None:
     pl = sub.add_parser("plan", help="size a deployment: what fits and how fast, from a config and data-sheet specs "
                         "(llama.cpp placements, --fit, or fate_lab's runtime presets)")
     pl.add_argument("--model", required=True, help="embedded model (tiny_moe, tiny_deepseek), a published model of "
-                    "data/configs (e.g. Qwen3-30B-A3B, DeepSeek-V3, gpt-oss-120b), a checkpoint folder or a config.json")
+                    "data/configs (e.g. Qwen3-30B-A3B, DeepSeek-V3, gpt-oss-120b), a checkpoint folder or a "
+                    "config.json")
     pl.add_argument("--device", required=True, help="a device name (rtx3090, rtx4090, dgx_spark, ...; 'none' for a "
                     "machine without one) or a spec mem=20GiB,bw=800GBps,fp16=103TFLOPS")
     pl.add_argument("--gpus", type=str, default=None, help="identical cards splitting the layers (default 1)")
@@ -131,7 +132,8 @@ def answer(args: argparse.Namespace) -> dict:
         pl = placement(args.n_cpu_moe, args.cpu_moe, args.n_gpu_layers, args.cpu_only)
         return _finite({**head, "prediction": predict_placement(s, pl).row()})
     r = fit(s)
-    return _finite({**head, "best": r.best.row() if r.best else None, "smallest --n-cpu-moe that fits": r.best_n_cpu_moe,
+    return _finite({**head, "best": r.best.row() if r.best else None,
+                    "smallest --n-cpu-moe that fits": r.best_n_cpu_moe,
                     "largest -ngl that fits": r.best_ngl, "largest context": r.max_context,
                     "fate_lab on the same placement": r.fate_lab.row() if r.fate_lab else None,
                     "n_cpu_moe": [dict(x.row(), n=k) for k, x in enumerate(r.n_cpu_moe)],

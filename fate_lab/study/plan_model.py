@@ -41,7 +41,7 @@ def parse_bytes(text: str | int, flag: str = "--budget") -> int:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
         if m is None or m.group(2).lower() not in _UNITS:
             unit = "" if m is None else m.group(2)
-            what = "has no unit" if m is not None and not unit else f"is not a size"
+            what = "has no unit" if m is not None and not unit else "is not a size"
             raise ValueError(f"{flag} {str(text)[:40]!r} {what}: give a number with a unit, e.g. 12GiB, 16GB, 500MiB "
                              f"(units: {', '.join(_UNITS)})")
         value = float(m.group(1)) * _UNITS[m.group(2).lower()]
@@ -114,11 +114,10 @@ def read_config(path: Path) -> dict:
 @functools.lru_cache(maxsize=32)
 def _build(path: str, dtype: torch.dtype) -> tuple:
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from fate_lab.core.costs import model_params
     from fate_lab.model.adapters import adapt
-
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     raw = read_config(Path(path))
     if raw["model_type"] not in CONFIG_MAPPING:

@@ -5,11 +5,13 @@ What it is not: a place that computes metrics; a figure never derives a number o
 """
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import pandas as pd
-import seaborn as sns
 import torch
 
+from fate_lab.extras import need
+
+plt = need("matplotlib.pyplot")
+sns = need("seaborn")
 sns.set_theme(context="notebook", style="whitegrid")
 
 # Legend text for the column names the analysis tables use (anything else: underscores become spaces)
@@ -58,7 +60,7 @@ def memory_bars(breakdown: pd.DataFrame):
 def routing_raster(experts: torch.Tensor, num_experts: int, layers: list[int], title: str = ""):
     """Which experts each token used (dots), token by token, for a few layers."""
     fig, axes = plt.subplots(1, len(layers), figsize=(4.5 * len(layers), 3.6), squeeze=False)
-    for ax, l in zip(axes[0], layers):
+    for ax, l in zip(axes[0], layers, strict=True):
         T, k = experts.shape[0], experts.shape[2]
         ax.scatter(torch.arange(T).repeat_interleave(k), experts[:, l].flatten(), s=6, marker="s")
         ax.set_xlabel("decode step (token)")
@@ -116,7 +118,7 @@ def grouped_bars(df: pd.DataFrame, x: str, y: str, hue: str, ylabel: str, title:
 def timeline(events: pd.DataFrame, title: str = "Compute vs transfers"):
     """A Gantt chart of runtime events: columns kind, lane, t_start, t_end (seconds)."""
     lanes = list(dict.fromkeys(events["lane"]))
-    colors = dict(zip(sorted(events["kind"].unique()), sns.color_palette("deep")))
+    colors = dict(zip(sorted(events["kind"].unique()), sns.color_palette("deep"), strict=False))
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(lanes) + 2.5))
     for _, ev in events.iterrows():
         ax.barh(lanes.index(ev["lane"]), (ev["t_end"] - ev["t_start"]) * 1e3, left=ev["t_start"] * 1e3,
@@ -221,7 +223,7 @@ def memory_plan(memory: pd.DataFrame, budget_gib: float, title: str = ""):
     df = memory.set_index("config")[parts]
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(df) + 1.6))
     left = pd.Series(0.0, index=df.index)
-    for part, color in zip(parts, sns.color_palette("deep")):
+    for part, color in zip(parts, sns.color_palette("deep"), strict=False):
         ax.barh(df.index, df[part], left=left, color=color, label=part.replace(" (GiB)", ""))
         left += df[part]
     ax.axvline(budget_gib, color="black", ls="--", lw=1, label=f"budget {budget_gib:.3g} GiB")

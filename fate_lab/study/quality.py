@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -39,6 +40,9 @@ from tqdm.auto import tqdm
 from fate_lab.core.config import OffloadConfig
 from fate_lab.model.adapters import is_offloaded
 from fate_lab.offloading.runtime import offload
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @dataclass
@@ -161,17 +165,18 @@ def measure(model_q: nn.Module, reference: Reference, progress: bool = True, ste
     dec = [0.0] * 5
     bar = tqdm(total=len(reference.windows) + len(reference.continuations), desc="quality", unit="input",
                disable=not progress, leave=False)
-    for ids, logits_fp in zip(reference.windows, reference.window_logits):
+    for ids, logits_fp in zip(reference.windows, reference.window_logits, strict=True):
         if stepwise:
             logits_q = torch.cat([_decode(model_q, row[None, :1], row.numel() - 1, forced=row[None, 1:])[1]
                                   for row in ids])  # (B, T-1, V)
         else:
             logits_q = model_q(input_ids=ids.to(_device(model_q))).logits[:, :-1]  # (B, T-1, V)
-        win = [a + b for a, b in zip(win, _compare(logits_fp, logits_q, ids[:, 1:]))]
+        win = [a + b for a, b in zip(win, _compare(logits_fp, logits_q, ids[:, 1:]), strict=True)]
         bar.update(1)
-    for prompt, tokens, logits_fp in zip(reference.prompts, reference.continuations, reference.decode_logits):
+    for prompt, tokens, logits_fp in zip(reference.prompts, reference.continuations, reference.decode_logits,
+                                         strict=True):
         _, logits_q = _decode(model_q, prompt, tokens.shape[1], forced=tokens)  # (1, D, V)
-        dec = [a + b for a, b in zip(dec, _compare(logits_fp, logits_q, tokens))]
+        dec = [a + b for a, b in zip(dec, _compare(logits_fp, logits_q, tokens), strict=True)]
         bar.update(1)
     bar.close()
     nan = float("nan")
@@ -221,8 +226,8 @@ def _equal_memory(model: nn.Module, kind: str, over: dict) -> dict:
     """standin keeps an INT2 copy of every expert resident: at a slot budget, it gets that many fewer slots."""
     if kind != "standin" or over.get("slots") is None:
         return over
-    from fate_lab.model.adapters import adapt
     from fate_lab.core.sizing import standin_pool_bytes
+    from fate_lab.model.adapters import adapt
 
     a = adapt(model)
     pool = standin_pool_bytes(a.num_moe_layers, a.num_experts, (2 * a.expert_intermediate_size, a.hidden_size),

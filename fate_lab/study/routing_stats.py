@@ -46,8 +46,9 @@ def transition_entropy(experts: torch.Tensor, num_experts: int) -> pd.DataFrame:
         h_joint, h_cur = _entropy(pairs), _entropy(pairs.sum(1))
         h_cond = h_joint - h_cur
         rows.append({"layer": l, "next_layer": l + 1, "H(next) bits": h_next, "H(next | current) bits": h_cond,
-                     "mutual information bits": h_next - h_cond, "share of H(next) explained": (h_next - h_cond) / h_next
-                     if h_next > 0 else float("nan"), "uniform bits": math.log2(num_experts)})
+                     "mutual information bits": h_next - h_cond,
+                     "share of H(next) explained": (h_next - h_cond) / h_next if h_next > 0 else float("nan"),
+                     "uniform bits": math.log2(num_experts)})
     return pd.DataFrame(rows)
 
 
@@ -85,10 +86,10 @@ def reuse_distance(experts: torch.Tensor, num_experts: int, prompt_id: torch.Ten
 def predictor_recall(trace: Trace, shape: ModelShape, calibration: Trace | None = None) -> pd.DataFrame:
     """Decode recall, precision and set size of the cross-layer gate (top-k), the activation path (online) and the
     activation matrix (online; and seeded with the calibration trace's requests when one is given)."""
+    from fate_lab.model.trace import cross_layer_scores
     from fate_lab.policy.prediction_metrics import evaluate_predictor, evaluate_rule
     from fate_lab.policy.predictors import ActivationMatrix, ActivationPath, activation_matrices
     from fate_lab.policy.rules import TopK
-    from fate_lab.model.trace import cross_layer_scores
 
     E, L, k = shape.num_experts, shape.num_moe_layers, shape.top_k
     out = {"cross-layer gate (top-k)": evaluate_rule(cross_layer_scores(trace), trace.experts, TopK(k), trace.phase),
@@ -127,5 +128,6 @@ def summary(trace: Trace, shape: ModelShape, calibration: Trace | None = None, r
             ("decode uses never used again in the prompt", nan, rd["never again"].mean())]
     if recall:
         pr = predictor_recall(trace, shape, calibration)
-        rows += [(f"decode recall at set size k: {p}", nan, r) for p, r in zip(pr["predictor"], pr["decode recall"])]
+        rows += [(f"decode recall at set size k: {p}", nan, r)
+                 for p, r in zip(pr["predictor"], pr["decode recall"], strict=True)]
     return pd.DataFrame(rows, columns=["statistic", "bits", "share"]).set_index("statistic")

@@ -26,7 +26,6 @@ What it is not: the simulator (``fate_lab.sim.speculative``), the runtime, or th
 from __future__ import annotations
 
 import logging
-
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,11 +34,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from fate_lab.model.trace import Trace
 from fate_lab.core.config import OffloadConfig
-from fate_lab.offloading.runtime import Runtime, offload
-from fate_lab.hardware.setups import Hardware
 from fate_lab.core.shape import ModelShape
+from fate_lab.hardware.setups import Hardware
+from fate_lab.model.trace import Trace
+from fate_lab.offloading.runtime import Runtime, offload
 from fate_lab.sim.speculative import (
     per_token_acceptance,
     pick_window,
@@ -142,7 +141,8 @@ def assistant_window(draft: torch.nn.Module, window: int):
     gc = draft.generation_config
     keys = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
     old = {k: getattr(gc, k, None) for k in keys}
-    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = window, "constant", 0.0
+    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = window, "constant"
+    gc.assistant_confidence_threshold = 0.0
     quiet = _AssistantCallWarning()
     logger = logging.getLogger("transformers.generation.utils")
     logger.addFilter(quiet)
@@ -197,13 +197,14 @@ def summarize_forwards(records: list[ForwardRecord], prompt_len: int, final_len:
         raise ValueError("the first logged forward must start an empty KV cache (the prefill); log a whole generate")
     # sequence length when each forward began: P, then past + 1 (the last token is not in the cache yet)
     starts = [prompt_len] + [r.past + 1 for r in records[1:]] + [final_len]
-    produced = [b - a for a, b in zip(starts, starts[1:])]
+    produced = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     proposed = [records[0].tokens - prompt_len] + [r.tokens - 1 for r in records[1:]]
     dec = [i for i, r in enumerate(records) if r.phase == "decode"]
     out = {"generated": final_len - prompt_len, "target_forwards": len(records), "verify_forwards": len(dec),
            "proposed": sum(proposed), "accepted": sum(produced) - len(records),
            "decode_tokens": sum(produced[i] for i in dec), "decode_s": t_end - records[0].t_end,
-           "forward_s": sum(r.t_end - r.t_start for r in records[1:]), "prefill_s": records[0].t_end - records[0].t_start}
+           "forward_s": sum(r.t_end - r.t_start for r in records[1:]),
+           "prefill_s": records[0].t_end - records[0].t_start}
     for k in records[0].counters:
         out[k] = sum(records[i].counters[k] for i in dec)
     return out
@@ -265,7 +266,8 @@ def compare_windows(model, draft, prompts_ids: list, config: OffloadConfig, wind
 
     with pinned():  # torch's threads held while measuring (study/clock.py)
         rows = [speculative_decode(model, draft, prompts_ids, config, w, max_new_tokens, progress=False,
-                                   **generate_kwargs) for w in tqdm([0, *windows], desc="windows", disable=not progress)]
+                                   **generate_kwargs)
+                for w in tqdm([0, *windows], desc="windows", disable=not progress)]
     df = pd.DataFrame([{k: v for k, v in r.items() if k != "sequences"} for r in rows])
     base = df.iloc[0]
     df["moved_ratio"] = df["moved_per_token"] / base["moved_per_token"]
@@ -308,7 +310,8 @@ def window_table(trace: Trace, config: OffloadConfig, hardware: Hardware, shape:
 def roofline_table(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: ModelShape,
                    acceptance_rate: float, measured_window: int, max_window: int = 8,
                    draft_token_s: float = 0.0) -> tuple[int, pd.DataFrame]:
-    """(chosen window, roofline rows) from a measured acceptance rate at `measured_window` and plain decode's hit rate."""
+    """(chosen window, roofline rows) from a measured acceptance rate at `measured_window` and plain decode's hit
+    rate."""
     p = per_token_acceptance(acceptance_rate, measured_window)
     plain = simulate_speculative(trace, config, hardware, shape, 0)
     hit = plain.stats.summary()["decode"]["hit_rate"]

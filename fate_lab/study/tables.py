@@ -107,7 +107,8 @@ def recall_error(trace: Trace, rule: SelectionRule, phase: str = "decode") -> fl
     from fate_lab.study.verdict import mean_uncertainty
 
     res = evaluate_rule(cross_layer_scores(trace), trace.experts, rule, trace.phase)[phase]
-    prompts = trace.prompt_id if phase == "all" else trace.prompt_id[trace.phase == (DECODE if phase == "decode" else PREFILL)]
+    prompts = (trace.prompt_id if phase == "all"
+               else trace.prompt_id[trace.phase == (DECODE if phase == "decode" else PREFILL)])
     return mean_uncertainty(res["per_token_recall"].tolist(), prompts.tolist())
 
 
@@ -314,7 +315,8 @@ def measured_and_predicted(model, input_ids, trace: Trace, config: OffloadConfig
     predicted and their ratio."""
     n_prefill = int((trace.phase == 0).sum())
     if trace.prompt_id.unique().numel() != 1 or n_prefill != input_ids.shape[1]:
-        raise ValueError(f"the trace holds {trace.prompt_id.unique().numel()} prompt(s) and {n_prefill} prefill tokens; "
+        raise ValueError(f"the trace holds {trace.prompt_id.unique().numel()} prompt(s) and {n_prefill} prefill "
+                         "tokens; "
                          f"record it from the measured prompt ({input_ids.shape[1]} tokens): record_trace(model, tok, "
                          "[input_ids[0].tolist()], decode_tokens=new_tokens - 1)")
     measured = decode_point(model, input_ids, config, new_tokens)
@@ -354,7 +356,8 @@ def threshold_table(trace: Trace, shape, hardware, slots: int, kind: str, thresh
     if kind not in LOSSY_PRESET:
         raise ValueError(f"unknown lossy rule {kind!r}; choose one of {list(LOSSY_PRESET)}")
     fate = sim_row(trace, OffloadConfig.preset("fate", slots=slots), hardware, shape, "fate")
-    knob = {"standin_window": int(threshold)} if kind == "standin" else {"lossy_threshold": threshold}  # standin: window
+    # standin: a window
+    knob = {"standin_window": int(threshold)} if kind == "standin" else {"lossy_threshold": threshold}
     row = sim_row(trace, OffloadConfig.preset(LOSSY_PRESET[kind], slots=slots, **knob), hardware,
                   shape, f"{kind} @ {threshold:g}")
     df = pd.DataFrame([fate, row]).set_index("config")[["decode tok/s", "decode hit rate", "experts moved per token"]]

@@ -190,7 +190,7 @@ def mean_uncertainty(samples, groups=None) -> float:
     if len(labels) != len(xs):
         raise ValueError(f"{len(labels)} group labels for {len(xs)} samples")
     by: dict = {}
-    for g, x in zip(labels, xs):
+    for g, x in zip(labels, xs, strict=True):
         by.setdefault(g, []).append(x)
     means = [sum(v) / len(v) for v in by.values()]
     return max(two_se(xs), two_se(means)) if len(means) >= 2 else two_se(xs)
@@ -228,7 +228,8 @@ def beats(quantity: str, ours: float, threshold: float, reference: str, unit: st
         reason += f"; the paper's {fmt(magnitude, unit)} is {'reached' if ours >= magnitude else 'not reached'}"
     if note:
         reason += f" ({note})"
-    return Claim(quantity, reference, fmt(ours, unit) + (f" ±{s:.0%}" if s else "") + (f" ({detail})" if detail else ""),
+    shown = fmt(ours, unit) + (f" ±{s:.0%}" if s else "") + (f" ({detail})" if detail else "")
+    return Claim(quantity, reference, shown,
                  verdict, reason, "beats",
                  float(ours), float(threshold), None, spread if spread is None or _finite(spread) else None, unit,
                  source, structure)

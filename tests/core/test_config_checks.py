@@ -1,4 +1,5 @@
-"""Every numeric and named knob of OffloadConfig is checked: the error names the field, the value and what is allowed."""
+"""Every numeric and named knob of OffloadConfig is checked: the error names the field, the value and what is
+allowed."""
 import pytest
 
 from fate_lab.core.config import OffloadConfig

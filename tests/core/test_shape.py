@@ -41,7 +41,8 @@ def test_biases_travel_beside_packed_weights_and_every_count_agrees(tiny_models)
     assert set(biases) == {"gate_up_bias", "down_bias"}
     bias_bytes = sum(-(-math.prod(v) * 4 // 8) * 8 for v in biases.values())  # fp32, 8-byte aligned segments
     no_bias = {n: v for n, v in shape.expert_shapes().items() if not n.endswith("_bias")}
-    assert layout_bytes(shape.expert_shapes(), spec, torch.float32) == layout_bytes(no_bias, spec, torch.float32) + bias_bytes
+    assert (layout_bytes(shape.expert_shapes(), spec, torch.float32)
+            == layout_bytes(no_bias, spec, torch.float32) + bias_bytes)
 
 
 def test_a_gateless_family_counts_i_rows():

@@ -4,10 +4,17 @@ import math
 import pytest
 import torch
 
+from fate_lab.fit.probes import (
+    compare_with_percentile,
+    fit_probes,
+    percentile_recall,
+    threshold_for_recall,
+    train_prompts,
+    tune_thresholds,
+)
 from fate_lab.model.trace import DECODE, PREFILL, Trace
-from fate_lab.policy.probes import LearnedGate, ProbeSet, Threshold, load_probes
-from fate_lab.fit.probes import compare_with_percentile, fit_probes, percentile_recall, threshold_for_recall, train_prompts, tune_thresholds
 from fate_lab.policy.prediction_metrics import evaluate_rule
+from fate_lab.policy.probes import LearnedGate, ProbeSet, Threshold, load_probes
 
 L, H, K = 3, 8, 2  # synthetic model: 3 MoE layers, gate inputs of width 8, top-2 ...
 E = 2 * K  # ... of 4 experts in K pairs: exactly one expert of each pair is routed to
@@ -127,7 +134,7 @@ def test_tuned_thresholds_reach_the_percentile_recall_on_their_trace(trace, line
                 assert tuned.thresholds[i].unique().numel() == 1
                 assert sum(per_layer) / (L - 1) >= targets[name]["overall"] - 1e-6
             else:
-                assert all(r >= t - 1e-6 for r, t in zip(per_layer, targets[name]["per_layer"]))
+                assert all(r >= t - 1e-6 for r, t in zip(per_layer, targets[name]["per_layer"], strict=True))
             # the largest such threshold: one step above it misses the target
             up = math.nextafter(float(tuned.thresholds[i, 0]), 2.0)
             if match == "layer" and up <= 1.0:

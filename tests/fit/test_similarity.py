@@ -5,13 +5,28 @@ import json
 import pytest
 import torch
 
+from fate_lab.fit.similarity import (
+    compare_predictors,
+    compute_similarity,
+    least_squares_scale,
+    output_moments,
+    relative_error,
+    weight_similarity,
+)
 from fate_lab.model.adapters import SUPPORTED_FAMILIES, adapt
+from fate_lab.model.record import record_trace
 from fate_lab.model.testing import tiny_model  # noqa: F401  (fixtures replace it where a test needs a fresh model)
 from fate_lab.model.trace import from_routing_array
-from fate_lab.model.record import record_trace
 from fate_lab.paths import TINY_MOE_DIR
-from fate_lab.policy.similarity import ExpertSimilarity, FLOOR, SIMILARITY_FILE, expert_clusters, load_similarity, nearest, substitute
-from fate_lab.fit.similarity import compare_predictors, compute_similarity, least_squares_scale, output_moments, relative_error, weight_similarity
+from fate_lab.policy.similarity import (
+    FLOOR,
+    SIMILARITY_FILE,
+    ExpertSimilarity,
+    expert_clusters,
+    load_similarity,
+    nearest,
+    substitute,
+)
 
 # layer 0 of 4 experts; layer 1 is the same with rows and columns reversed
 SIM0 = torch.tensor([[1.0, 0.5, 0.5, 0.2],

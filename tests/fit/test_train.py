@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from fate_lab.model.corpus import heldout_prompts, load_corpus
 from fate_lab.fit.train import TrainConfig, per_layer_balance_loss, train
+from fate_lab.model.corpus import heldout_prompts, load_corpus
 
 
 def test_corpus_split_is_by_whole_documents():

@@ -87,7 +87,8 @@ def test_recombined_experts_match_hf_block(case):
 def test_gate_input_hook_sees_router_input(case):
     model, adapter, records = case
     seen = {}
-    handles = [adapter.gate_input_hook(m, lambda m, x: seen.__setitem__(m, x.clone())) for m in range(adapter.num_moe_layers)]
+    handles = [adapter.gate_input_hook(m, lambda m, x: seen.__setitem__(m, x.clone()))
+               for m in range(adapter.num_moe_layers)]
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         model(input_ids=ids)
@@ -128,7 +129,8 @@ def test_expert_weights_are_views(case):
     m, e = adapter.num_moe_layers - 1, adapter.num_experts - 1
     w = adapter.expert_weights(m, e)
     inter, hidden = adapter.expert_intermediate_size, adapter.hidden_size
-    assert w["gate"].shape == (inter, hidden) and w["up"].shape == (inter, hidden) and w["down"].shape == (hidden, inter)
+    assert w["gate"].shape == (inter, hidden) and w["up"].shape == (inter, hidden)
+    assert w["down"].shape == (hidden, inter)
     fused = adapter.experts_module(m)
     assert w["gate"].untyped_storage().data_ptr() == fused.gate_up_proj.untyped_storage().data_ptr()
     assert torch.equal(w["up"], fused.gate_up_proj[e, inter:])

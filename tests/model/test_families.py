@@ -89,9 +89,11 @@ def built(request):
 def test_discovery_matches_what_the_forward_runs(built):
     family, model, adapter, records = built
     ran = [m for m, r in enumerate(records) if "experts" in r]
-    assert ran == list(range(adapter.num_moe_layers)), f"{family}: MoE layers {set(range(adapter.num_moe_layers)) - set(ran)} never ran"
+    assert ran == list(range(adapter.num_moe_layers)), \
+        f"{family}: MoE layers {set(range(adapter.num_moe_layers)) - set(ran)} never ran"
     layers = [i for i, layer in enumerate(getattr(model, "model", model).layers)
-              if any(mod is adapter.experts_module(m) for mod in layer.modules() for m in range(adapter.num_moe_layers))]
+              if any(mod is adapter.experts_module(m) for mod in layer.modules()
+                     for m in range(adapter.num_moe_layers))]
     assert adapter.moe_layers == layers
     for m, rec in enumerate(records):
         (hidden, idx, _), _ = rec["experts"]
@@ -172,7 +174,8 @@ def test_probabilities_rank_what_the_router_chooses(built):
     choice (for routers without expert groups, whose choice is a plain top-k)."""
     family, _, adapter, records = built
     for m, rec in enumerate(records):
-        spec = adapter.fit(m).spec if not set(adapter.router_site(m).missing) - set(adapter.router_site(m).optional) else None
+        site = adapter.router_site(m)
+        spec = adapter.fit(m).spec if not set(site.missing) - set(site.optional) else None
         if spec is None or spec.n_group is not None or spec.num_experts != adapter.num_experts:
             continue
         args, kwargs, (_, _, hf_indices) = rec["router"]
@@ -262,7 +265,8 @@ def test_expert_math_equals_the_eager_experts_call_bf16(family):
         assert ex.math_refusal(adapter.experts_module(m), family) is None  # the offload-time probe agrees
         args, kwargs, (_, hf_weights, hf_indices) = rec["router"]
         _, weights, indices = adapter.route(m, args[0], **_state_inputs(adapter, m, args, kwargs))
-        assert torch.equal(indices, hf_indices.reshape(indices.shape)) and torch.equal(weights, hf_weights.reshape(weights.shape))
+        assert torch.equal(indices, hf_indices.reshape(indices.shape))
+        assert torch.equal(weights, hf_weights.reshape(weights.shape))
 
 
 def test_post_expert_norm_layout_matches_transformers_batched_mm():
@@ -520,7 +524,7 @@ def test_quantized_or_unknown_expert_tensors_are_refused_by_name():
     assert expert_refusal(mod, "mixtral") is None
     mod.register_buffer("gate_up_proj_scale", torch.ones(mod.num_experts))
     reason = expert_refusal(mod, "mixtral")
-    assert "mixtral" in reason and "MixtralExperts" in reason and "gate_up_proj_scale" in reason and "dequantiz" in reason
+    assert all(s in reason for s in ("mixtral", "MixtralExperts", "gate_up_proj_scale", "dequantiz"))
     del mod.gate_up_proj_scale
     mod.gate_up_proj = torch.nn.Parameter(torch.zeros(mod.gate_up_proj.shape, dtype=torch.int8), requires_grad=False)
     reason = expert_refusal(mod, "mixtral")

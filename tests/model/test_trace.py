@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from fate_lab.model.adapters import adapt
+from fate_lab.model.record import record_trace
 from fate_lab.model.testing import tiny_model
 from fate_lab.model.trace import DECODE, PREFILL, Trace, cross_layer_scores, from_routing_array
-from fate_lab.model.record import record_trace
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
 
@@ -246,7 +246,8 @@ def test_a_router_bias_is_recorded_and_reproduces_the_model_s_own_routers(tmp_pa
     model = tiny_model("gpt_oss", seed=1)
     adapter = adapt(model)
     trace = record_trace(model, None, [[5, 6, 7, 8]], decode_tokens=3, progress=False)
-    assert trace.router_biases is not None and trace.router_biases.shape == (adapter.num_moe_layers, adapter.num_experts)
+    assert trace.router_biases is not None
+    assert trace.router_biases.shape == (adapter.num_moe_layers, adapter.num_experts)
     loaded = Trace.load(trace.save(tmp_path / "t.safetensors", gate_dtype=torch.float32))
     assert torch.equal(loaded.router_biases, trace.router_biases) and loaded.meta["router_linear"] is True
     mine, theirs = adapter.host_routers(), router_scores(loaded)

@@ -35,7 +35,8 @@ def test_every_family_is_exact_or_refused_never_wrong(module):
         assert row.verdict in ("exact", "refused"), f"{module}: {row.verdict}: {row.reason}"
     if row.verdict == "exact":
         expected = ["lru@instant", "fate@instant", "host_compute@instant", "all_host@instant", "fate@test_fast",
-                    "load_offloaded@instant", "batch2"] if row.kind == "causal" else ["lru@instant (forward)", "fate@instant (forward)"]
+                    "load_offloaded@instant", "batch2"] if row.kind == "causal" else \
+            ["lru@instant (forward)", "fate@instant (forward)"]
         assert list(row.runs) == expected
 
 
@@ -58,7 +59,8 @@ def test_a_layout_it_cannot_serve_is_refused_at_offload_naming_family_and_what_t
                                                   r"gate_up_proj_scales.*load the checkpoint in a float dtype"):
         offload(model, OffloadConfig.preset("lru", link="instant", slots=2))
     after = [(a.experts_module(m).gate_up_proj, a.experts_module(m).down_proj) for m in range(a.num_moe_layers)]
-    assert all(x is y for pb, pa in zip(before, after) for x, y in zip(pb, pa))  # nothing taken
+    # nothing taken
+    assert all(x is y for pb, pa in zip(before, after, strict=True) for x, y in zip(pb, pa, strict=True))
     assert model.config._experts_implementation != "fate_offload"
 
 
@@ -85,7 +87,8 @@ def test_the_newest_release_report_names_what_it_broke_added_and_fixed():
 
     from fate_lab.offloading.support import FamilySupport, support_markdown
 
-    spec = importlib.util.spec_from_file_location("family_table", Path(__file__).parents[2] / "scripts" / "family_table.py")
+    path = Path(__file__).parents[2] / "scripts" / "family_table.py"
+    spec = importlib.util.spec_from_file_location("family_table", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     before = [FamilySupport("a", "a", "causal", "exact"), FamilySupport("b", "b", "causal", "exact"),
@@ -93,7 +96,8 @@ def test_the_newest_release_report_names_what_it_broke_added_and_fixed():
     now = [FamilySupport("a", "a", "causal", "exact"), FamilySupport("b", "b", "causal", "failed", "RuntimeError: x"),
            FamilySupport("c", "c", "text tower", "exact"), FamilySupport("e", "e", "causal", "refused", "why")]
     version, pinned = script.table_verdicts(support_markdown(before, "cmd"))
-    assert version == transformers.__version__ and pinned == {"a": "exact", "b": "exact", "c": "not built", "d": "exact"}
+    assert version == transformers.__version__
+    assert pinned == {"a": "exact", "b": "exact", "c": "not built", "d": "exact"}
     lines, broken = script.compare(now, pinned, "5.0.0")
     assert broken == 2
     assert lines[0].endswith("against the table of transformers 5.0.0: 2 families broken, 1 new module(s), 1 fixed")

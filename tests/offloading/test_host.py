@@ -2,7 +2,7 @@
 
 The host path must not change a token: it computes the same expert from the store's weights
 (on a CPU, the very tensors the model had). Counts of host calls must agree between the runtime
-and the simulator like every other counter (tests/test_parity.py runs the static placements;
+and the simulator like every other counter (tests/sim/test_parity.py runs the static placements;
 here a deterministic rule stands in for the cost model so the instant link can compare them).
 """
 import dataclasses
@@ -11,17 +11,17 @@ import pytest
 import torch
 from helpers import greedy, prompt_ids
 
-from fate_lab.model.adapters import adapt
-from fate_lab.model.testing import tiny_model
-from fate_lab.model.record import record_trace
 from fate_lab.core.config import OffloadConfig
+from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.hosts import HostProfile
+from fate_lab.hardware.profiles import COMPUTE_PROFILES
+from fate_lab.hardware.setups import Hardware
+from fate_lab.model.adapters import adapt
+from fate_lab.model.record import record_trace
+from fate_lab.model.testing import tiny_model
 from fate_lab.offloading.runtime import offload
 from fate_lab.paths import EMBEDDED_MODELS
 from fate_lab.policy.placement import HostPlacement, host_layer_set
-from fate_lab.hardware.profiles import COMPUTE_PROFILES
-from fate_lab.hardware.setups import Hardware
-from fate_lab.core.shape import ModelShape
 from fate_lab.sim.simulate import simulate
 
 

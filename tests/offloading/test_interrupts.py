@@ -1,4 +1,4 @@
-"""Ctrl-C and close() against a running forward (issue 19): an interrupted forward leaves nothing jammed, close()
+"""Ctrl-C and close() against a running forward: an interrupted forward leaves nothing jammed, close()
 and a generating thread never overlap, and close(restore=False) leaves a model that says what happened."""
 import _thread
 import signal
@@ -117,7 +117,7 @@ def test_close_from_another_thread_waits_for_the_forward_and_never_breaks_it(tin
         rt = offload(model, cfg)
         box = {}
 
-        def run():
+        def run(box=box):
             try:
                 box["out"] = _gen(model, ids, 16)
             except BaseException as exc:  # noqa: BLE001 - handed to the test

@@ -1,4 +1,4 @@
-"""Reliability (issue 9): nothing hangs, a dead link fails loudly and gives the model back, one
+"""Reliability: nothing hangs, a dead link fails loudly and gives the model back, one
 forward at a time per runtime, and double offloading / recording an offloaded model say so."""
 import threading
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from helpers import greedy, prompt_ids
 
+from fate_lab.core.config import OffloadConfig
 from fate_lab.model.adapters import adapt
 from fate_lab.model.record import record_trace
-from fate_lab.core.config import OffloadConfig
 from fate_lab.offloading.runtime import offload
 from fate_lab.offloading.transfer import TransferError
 
@@ -96,7 +96,7 @@ def test_concurrent_generate_is_refused_never_wrong(tiny_models):
             t.join(60)
         assert not any(t.is_alive() for t in threads)
         assert torch.equal(_gen(model, prompts[0], 12), refs[0])  # the runtime still works afterwards
-    for r, ref in zip(results, refs):
+    for r, ref in zip(results, refs, strict=True):
         if isinstance(r, Exception):
             assert "another forward is running" in str(r)
         else:
@@ -139,7 +139,7 @@ def test_close_gives_back_exactly_the_tensors_it_took_on_cpu(tiny_models):
     with offload(model, OffloadConfig.preset("fate", link="instant", slots=2)):
         _gen(model, _ids(model))
     after = [(a.experts_module(m).gate_up_proj, a.experts_module(m).down_proj) for m in range(a.num_moe_layers)]
-    assert all(x is y for pb, pa in zip(before, after) for x, y in zip(pb, pa))
+    assert all(x is y for pb, pa in zip(before, after, strict=True) for x, y in zip(pb, pa, strict=True))
 
 
 def _saved(model, tmp_path):
@@ -153,7 +153,8 @@ def test_ssd_store_refuses_a_checkpoint_that_is_not_the_model(tmp_path, tiny_mod
     a = adapt(model)
     with torch.no_grad():
         a.experts_module(1).down_proj[3, -1, 0] += 1.0  # one edited weight of expert 3, layer 1
-    with pytest.raises(ValueError, match=r"experts\.3\.down_proj.*expert 3 of MoE layer 1 differs from the in-memory model's"):
+    with pytest.raises(ValueError,
+                       match=r"experts\.3\.down_proj.*expert 3 of MoE layer 1 differs from the in-memory model's"):
         offload(model, OffloadConfig.preset("lru", link="instant", slots=2, store="ssd", checkpoint=ckpt))
     assert _restored(model)
     other = tiny_models("qwen2_moe", seed=0, hidden_size=48)  # another hidden size

@@ -10,9 +10,8 @@ import torch
 from helpers import embedded_models, greedy, prompt_ids
 from transformers import TextStreamer
 
-from fate_lab.model.adapters import adapt
 from fate_lab.hardware.links import LINK_PROFILES
-
+from fate_lab.model.adapters import adapt
 from fate_lab.offloading.runtime import OffloadConfig, Runtime, offload
 from fate_lab.offloading.slots import FullSlots
 from fate_lab.offloading.store import RamStore

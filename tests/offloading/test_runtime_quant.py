@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import embedded_models, greedy, prompt_ids
 
+from fate_lab.hardware.links import LinkProfile
 from fate_lab.model.adapters import adapt
 from fate_lab.model.testing import tiny_model
-from fate_lab.hardware.links import LinkProfile
 from fate_lab.offloading.runtime import OffloadConfig, offload
 from fate_lab.offloading.slots import FullSlots
 from fate_lab.offloading.store import QuantizedStore, RamStore

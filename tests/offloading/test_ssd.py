@@ -1,5 +1,5 @@
-"""The SSD tier never computes with weights that are not the model's (issue 19), and a checkpoint opens offloaded
-(issue 20): full-content digests taken once and re-checked on every read; close() gives the caller its own
+"""The SSD tier never computes with weights that are not the model's, and a checkpoint opens offloaded:
+full-content digests taken once and re-checked on every read; close() gives the caller its own
 tensors or was refused up front; `load_offloaded` serves the experts from the files alone.
 
 Every edit below leaves an expert's first and last rows as they were: the SSD tier used to compare only those.
@@ -166,7 +166,8 @@ def test_on_cuda_close_refills_the_callers_own_parameters_and_ssd_is_refused(tmp
         assert all(p.numel() == 0 for layer in own for p in layer.values())  # the device copies were freed
         assert torch.equal(greedy(model, ids, N)[0], ref)
     after = _own(model)
-    assert all(after[m][n] is p and torch.equal(p, values[m][n]) for m, layer in enumerate(own) for n, p in layer.items())
+    assert all(after[m][n] is p and torch.equal(p, values[m][n])
+               for m, layer in enumerate(own) for n, p in layer.items())
     assert torch.equal(greedy(model, ids, N)[0], ref)
 
 
@@ -190,5 +191,6 @@ def test_the_accelerator_path_refills_the_callers_own_parameters_in_their_layout
     assert not taken.on_host and all(p.numel() == 0 for layer in own for p in layer.values())
     hookup.restore_fused_experts(a, store, taken, torch.device("cpu"))
     after = _own(model)
-    assert all(after[m][n] is p and torch.equal(p, values[m][n]) for m, layer in enumerate(own) for n, p in layer.items())
+    assert all(after[m][n] is p and torch.equal(p, values[m][n])
+               for m, layer in enumerate(own) for n, p in layer.items())
     assert torch.equal(greedy(model, ids, N)[0], ref)

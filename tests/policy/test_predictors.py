@@ -2,10 +2,26 @@
 import pytest
 import torch
 
-from fate_lab.policy.predictors import ActivationMatrix, ActivationPath, CrossLayerGate, Oracle, PrevTokenSameLayer, RandomPredictor, SameTokenPrevLayer, \
-    activation_matrices
-from fate_lab.policy.rules import CountBudget, CumulativeProb, Percentile, TopK, TopKPlus, cross_layer_scores, rule_from_name
 from fate_lab.policy.prediction_metrics import evaluate_predictor, evaluate_rule, prefill_prediction
+from fate_lab.policy.predictors import (
+    ActivationMatrix,
+    ActivationPath,
+    CrossLayerGate,
+    Oracle,
+    PrevTokenSameLayer,
+    RandomPredictor,
+    SameTokenPrevLayer,
+    activation_matrices,
+)
+from fate_lab.policy.rules import (
+    CountBudget,
+    CumulativeProb,
+    Percentile,
+    TopK,
+    TopKPlus,
+    cross_layer_scores,
+    rule_from_name,
+)
 
 # ids:                 0     1     2     3     4     5     6     7
 S = torch.tensor([[0.10, 0.30, 0.05, 0.20, 0.09, 0.15, 0.03, 0.08]])

@@ -4,9 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fate_lab.policy.replacement import ARC, Belady, LFU, LRU
-from fate_lab.policy.replacement_scored import LRFU
 from fate_lab.policy.registry import policy_from_name
+from fate_lab.policy.replacement import ARC, LFU, LRU, Belady
+from fate_lab.policy.replacement_scored import LRFU
 
 
 def test_lru_steps_and_protect():
@@ -119,18 +119,25 @@ def test_capacity_and_protect_respected(cap, seq, name):
 def test_lrfu_extremes():
     # lam = 0 scores are plain counts (LFU)
     f = LRFU(2, lam=0.0)
-    f.admit(1); f.access(1); f.admit(2)
+    f.admit(1)
+    f.access(1)
+    f.admit(2)
     assert f.admit(3) == 2
     # large lam is recency (LRU)
     r = LRFU(2, lam=4.0)
-    r.admit(1); r.access(1); r.access(1); r.admit(2)
+    r.admit(1)
+    r.access(1)
+    r.access(1)
+    r.admit(2)
     assert r.admit(3) == 1
 
 
 def test_belady_evicts_furthest_next_use():
     b = Belady(2, [[1], [2], [3], [1], [2]])
-    b.at(0); b.admit(1)
-    b.at(1); b.admit(2)
+    b.at(0)
+    b.admit(1)
+    b.at(1)
+    b.admit(2)
     b.at(2)
     assert b.admit(3) == 2  # 1 is next used at t=3, 2 at t=4
     b.at(4)

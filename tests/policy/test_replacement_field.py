@@ -153,12 +153,12 @@ def test_simulator_and_replay_agree_with_the_field_policies(name):
     """The one cache has them: the timed simulator on an instant link and the replay give the same decode counts."""
     import torch
 
-    from fate_lab.model.trace import from_routing_array
     from fate_lab.core.config import OffloadConfig
-    from fate_lab.sim.replay import replay
+    from fate_lab.core.shape import ModelShape
     from fate_lab.hardware.profiles import COMPUTE_PROFILES
     from fate_lab.hardware.setups import Hardware
-    from fate_lab.core.shape import ModelShape
+    from fate_lab.model.trace import from_routing_array
+    from fate_lab.sim.replay import replay
     from fate_lab.sim.simulate import simulate
 
     g = torch.Generator().manual_seed(4)

@@ -10,8 +10,16 @@ from helpers import ScriptedLink
 from fate_lab.policy.cache import HOST
 from fate_lab.policy.placement import HostPlacement
 from fate_lab.policy.replacement import LRU
-from fate_lab.policy.value import Candidate, LinkView, Planned, RankOdds, UseRate, plan_prefetches, \
-    worth_admitting, would_evict
+from fate_lab.policy.value import (
+    Candidate,
+    LinkView,
+    Planned,
+    RankOdds,
+    UseRate,
+    plan_prefetches,
+    worth_admitting,
+    would_evict,
+)
 from fate_lab.policy.value_cache import ValueCache
 
 

@@ -11,7 +11,19 @@ from helpers import embedded_models
 
 from fate_lab.model.adapters import adapt
 from fate_lab.model.testing import tiny_model
-from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes, pack, packed_nbytes, quality_report, quantize, quantize_expert, quantize_model_experts, quantized_nbytes, unpack
+from fate_lab.quant import (
+    QuantPolicy,
+    QuantSpec,
+    expert_nbytes,
+    pack,
+    packed_nbytes,
+    quality_report,
+    quantize,
+    quantize_expert,
+    quantize_model_experts,
+    quantized_nbytes,
+    unpack,
+)
 
 try:
     from hypothesis import given, settings

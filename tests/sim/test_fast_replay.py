@@ -13,8 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fate_lab.policy.replacement import LRU
-from fate_lab.sim.fast_replay import (FAST_POLICIES, fast_supported, miss_curve_fast, predicted_sets,
-                                      replay_jobs_fast, replay_layer_fast)
+from fate_lab.sim.fast_replay import (
+    FAST_POLICIES,
+    fast_supported,
+    miss_curve_fast,
+    predicted_sets,
+    replay_jobs_fast,
+    replay_layer_fast,
+)
 from fate_lab.sim.replay import miss_curves, replay, replay_layer_pure, sweep
 
 # every covered policy, with its keyword variants

@@ -58,7 +58,7 @@ def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int],
                 real_slots = list(rt.slots_per_layer)
             sim = simulate(trace, cfg, HW, shape, router=router)
             assert sim.slots_per_layer == real_slots, (name, slots)
-            for m, (r, s) in enumerate(zip(real, _counts(sim))):
+            for m, (r, s) in enumerate(zip(real, _counts(sim), strict=True)):
                 diff = {k: (r[k], s[k]) for k in r if r[k] != s[k]}
                 assert not diff, f"{name} slots={slots} layer {m}: runtime vs simulator {diff}"
 
@@ -167,7 +167,8 @@ BUILD_FAMILIES = {"qwen2_moe": {"moe_intermediate_size": 64}, "gpt_oss": {"inter
 
 
 @pytest.mark.parametrize("family", list(BUILD_FAMILIES))
-@pytest.mark.parametrize("name,over", CORE_CONFIGS, ids=[n + "".join(f"-{v}" for v in o.values()) for n, o in CORE_CONFIGS])
+@pytest.mark.parametrize("name,over", CORE_CONFIGS,
+                         ids=[n + "".join(f"-{v}" for v in o.values()) for n, o in CORE_CONFIGS])
 def test_runtime_and_simulator_are_built_by_one_code_path(name, over, family, tiny_models):
     """One config, one shape, one link: the runtime and the simulator describe the same build (plan, slots per
     layer, pools, slot bytes, precision policy, predictor and rule, miss rule, placement, host time, link), and the

@@ -25,7 +25,8 @@ BASE = COMPUTE_PROFILES["qwen15_moe_rtx3090"]
 @pytest.fixture(scope="module")
 def setup(embedded_model):
     model, tok = embedded_model("tiny_moe")
-    prompts = [tok("The expert cache holds the experts of every layer")["input_ids"], tok("In the beginning")["input_ids"]]
+    prompts = [tok("The expert cache holds the experts of every layer")["input_ids"],
+               tok("In the beginning")["input_ids"]]
     trace = record_trace(model, None, prompts, decode_tokens=7, progress=False)
     shape = ModelShape.from_adapter(adapt(model))
     return trace, shape

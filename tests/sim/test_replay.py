@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fate_lab.policy.allocation import ShallowFavoringAllocation, lru_miss_curves
-from fate_lab.policy.rules import TopK, TopKPlus
 from fate_lab.policy.replacement import LRU
+from fate_lab.policy.rules import TopK, TopKPlus
 from fate_lab.sim.replay import miss_curves, predictions_from_rule, replay, sweep
 
 
@@ -110,9 +110,9 @@ def test_miss_curves_match_lru_stack_distances():
     # touches a token's hits before its misses, so curves agree exactly at 0 slots and at E slots and
     # within a few misses in between (an approximation, documented in lru_miss_curves)
     a, b = miss_curves(ex, 8), lru_miss_curves(ex, 8)
-    for ca, cb in zip(a, b):
+    for ca, cb in zip(a, b, strict=True):
         assert ca[0] == cb[0] and ca[-1] == cb[-1]
-        assert all(abs(x - y) <= 0.02 * 160 for x, y in zip(ca[2:], cb[2:]))
+        assert all(abs(x - y) <= 0.02 * 160 for x, y in zip(ca[2:], cb[2:], strict=True))
 
 
 def _skewed_trace(N, L, k, E, seed=0):
@@ -130,7 +130,7 @@ def test_sweep_matches_replay():
     phase = (torch.arange(N) % 10 != 0).long()
     out = sweep(ex, boundaries=range(10), budgets=[24 * i for i in range(1, 11)], num_experts=E, policy="arc",
                 predictions=preds, phase=phase)
-    assert len(out["hit_rate"]) == 100  # speed: benchmarks/bench_replay.py, not asserted here
+    assert len(out["hit_rate"]) == 100  # speed: benchmarks/bench_replay_speed.py, not asserted here
     i = 37  # boundary 3, budget 24 * 8
     slots = ShallowFavoringAllocation(3).allocate(192, L, E)
     r = replay(ex, slots_per_layer=slots, policy="arc", predictions=preds, phase=phase)
@@ -178,11 +178,11 @@ def test_replay_follows_the_runtime_order_hits_before_misses():
 
 def test_replay_equals_the_simulator_on_an_instant_link():
     """Two drivers of one cache: the per-layer replay and the multi-layer simulator agree on decode."""
-    from fate_lab.model.trace import from_routing_array
     from fate_lab.core.config import OffloadConfig
+    from fate_lab.core.shape import ModelShape
     from fate_lab.hardware.profiles import COMPUTE_PROFILES
     from fate_lab.hardware.setups import Hardware
-    from fate_lab.core.shape import ModelShape
+    from fate_lab.model.trace import from_routing_array
     from fate_lab.sim.simulate import simulate
 
     torch.manual_seed(3)

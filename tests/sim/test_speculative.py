@@ -13,16 +13,16 @@ import torch
 from helpers import embedded_models, prompt_ids
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from fate_lab.model.adapters import adapt
+from fate_lab.core.config import OffloadConfig
+from fate_lab.core.shape import ModelShape
 from fate_lab.fit.draft import DraftConfig, draft_config, init_from_target, train_draft
+from fate_lab.hardware.setups import Hardware
+from fate_lab.model.adapters import adapt
 from fate_lab.model.draft import load_draft
+from fate_lab.model.record import record_trace
 from fate_lab.model.testing import tiny_model
 from fate_lab.model.trace import DECODE, PREFILL, Trace
-from fate_lab.model.record import record_trace
-from fate_lab.core.config import OffloadConfig
 from fate_lab.offloading.runtime import offload
-from fate_lab.hardware.setups import Hardware
-from fate_lab.core.shape import ModelShape
 from fate_lab.sim.simulate import simulate
 from fate_lab.sim.speculative import (
     accept_runs,
@@ -193,7 +193,8 @@ def test_verify_steps_by_hand():
         (0, 5, "prefill", 3, 2), (4, 8, "decode", 3, 1), (6, 9, "decode", 2, 0), (7, 9, "decode", 1, 0),
         (8, 9, "decode", 0, 0)]
     # window 0: the prefill, then one decode forward per decode row
-    assert as_tuples(verify_steps(t, 0)) == [(0, 2, "prefill", 0, 0)] + [(r, r + 1, "decode", 0, 0) for r in range(2, 9)]
+    assert as_tuples(verify_steps(t, 0)) == [(0, 2, "prefill", 0, 0)] + [(r, r + 1, "decode", 0, 0)
+                                                                        for r in range(2, 9)]
     # an acceptance probability: the expected accept lengths, carried as fractions (totals exact)
     steps = verify_steps(t, 2, acceptance=0.5)  # E[accepted] = 0.75 per full window
     assert [s.accepted for s in steps] == [0, 1, 1, 1, 0]  # carry .75, 1.5, 1.25, 1.0, -
@@ -210,8 +211,8 @@ def test_union_sizes_by_hand():
 
 
 def test_pick_window_by_hand():
-    from fate_lab.hardware.links import LinkProfile
     from fate_lab.hardware.compute import ComputeProfile
+    from fate_lab.hardware.links import LinkProfile
 
     comp = ComputeProfile("free compute", dense_s=1e-12, dense_per_token_s=0.0, expert_s=0.0, expert_per_token_s=0.0,
                           call_s=0.0, predict_s=0.0)  # negligible next to the 1 s link (all zero is refused)
@@ -251,7 +252,7 @@ def test_simulated_verify_steps_equal_hf_assisted_generation(recorded):
         steps = verify_steps(trace, window, matches=matches)
         row = acceptance_run(model, draft, [torch.tensor([p]) for p in prompts], window, NEW)
         assert row["generated"] == 2 * NEW  # no end-of-text stopped a prompt early
-        for p, (first, P, rows), seq in zip(prompts, prompt_rows(trace), row["sequences"]):
+        for _p, (first, _P, rows), seq in zip(prompts, prompt_rows(trace), row["sequences"], strict=True):
             assert seq[:-1] == trace.token_ids[first:first + rows].tolist()  # the trace's greedy tokens
         assert row["target_forwards"] == len(steps), window
         assert row["accepted"] == sum(s.accepted for s in steps), window
@@ -305,7 +306,8 @@ def test_init_from_target_copies_embeddings_and_shared_experts():
     draft = Qwen2ForCausalLM(draft_config(cfg, target.config))
     init_from_target(draft, target)
     assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
-    assert torch.equal(draft.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.shared_expert.up_proj.weight)
+    assert torch.equal(draft.model.layers[0].mlp.up_proj.weight,
+                       target.model.layers[0].mlp.shared_expert.up_proj.weight)
     assert torch.equal(draft.model.layers[0].self_attn.q_proj.bias, target.model.layers[0].self_attn.q_proj.bias)
     with pytest.raises(ValueError, match="intermediate_size=48"):
         init_from_target(Qwen2ForCausalLM(draft_config(DraftConfig(num_layers=1, hidden_size=64, intermediate_size=32),

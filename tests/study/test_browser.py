@@ -19,7 +19,8 @@ from fate_lab.study.notebooks import NOTEBOOK_DIR
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.notebook,
-              pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: apt-get install chromium to run the browser test")]
+              pytest.mark.skipif(CHROMIUM is None,
+                                 reason="no Chromium: apt-get install chromium to run the browser test")]
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 
 RUN_S = 600  # longest wait for one notebook's cells in FAST mode (05 times every preset; a loaded 2-core machine)
@@ -48,9 +49,12 @@ def lab_url(tmp_path_factory):
     env = dict(os.environ, FATE_LAB_FAST="1")
     log = open(root / "lab.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}",
-                             "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=", "--allow-root",
+                             "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=",
+                             "--allow-root",
                              f"--ServerApp.root_dir={root}", "--ServerApp.disable_check_xsrf=True",
-                             "--LabApp.news_url=None", f"--LabApp.workspaces_dir={root / 'workspaces'}", f"--LabApp.user_settings_dir={root / 'settings'}", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+                             "--LabApp.news_url=None", f"--LabApp.workspaces_dir={root / 'workspaces'}",
+                             f"--LabApp.user_settings_dir={root / 'settings'}",
+                             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -61,7 +65,7 @@ def lab_url(tmp_path_factory):
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"JupyterLab did not start; see {root / 'lab.log'}")
+                raise RuntimeError(f"JupyterLab did not start; see {root / 'lab.log'}") from None
             time.sleep(0.5)
     yield url
     proc.terminate()
@@ -94,13 +98,15 @@ def _open_and_run(browser, url: str, name: str):
     # every code cell shows an execution count when done; the kernel then goes idle
     try:
         page.wait_for_function(
-            "() => { const p = [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')];"
+            "() => { const p = [...document.querySelectorAll("
+            "'.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')];"
             " return p.length > 0 && p.every(e => /\\[\\d+\\]/.test(e.textContent)); }", timeout=RUN_S * 1000)
-    except Exception:
-        prompts = page.evaluate("() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')]"
+    except Exception as exc:
+        prompts = page.evaluate("() => [...document.querySelectorAll("
+                                "'.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')]"
                                 ".map(e => e.textContent)")
         page.screenshot(path=str(Path(os.environ.get("TMPDIR", "/tmp")) / f"browser-{name}.png"))
-        raise AssertionError(f"{name}: cells not all run after {RUN_S} s; prompts {prompts}")
+        raise AssertionError(f"{name}: cells not all run after {RUN_S} s; prompts {prompts}") from exc
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] :text('Traceback')")
     assert errors.count() == 0, f"{name}: a cell raised"
     _assert_readable(page, name)
@@ -109,7 +115,8 @@ def _open_and_run(browser, url: str, name: str):
 
 def _assert_readable(page, name: str) -> None:
     """No table wider than its output area, no slider track collapsed, no control label cut."""
-    wide = page.evaluate("""() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output table')]
+    wide = page.evaluate("""() => [...document.querySelectorAll(
+            '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output table')]
         .filter(t => t.offsetParent !== null)
         .map(t => [t.getBoundingClientRect().width, t.closest('.jp-OutputArea-output').clientWidth])
         .filter(([w, room]) => w > room + 1)""")
@@ -131,7 +138,8 @@ def _show_cell(page, text: str) -> None:
 
 def _prompt_of(page, text: str) -> int:
     """The execution count of the code cell whose source contains `text`."""
-    return page.evaluate("""(t) => { const c = [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell')]
+    return page.evaluate("""(t) => { const c = [...document.querySelectorAll(
+            '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell')]
         .find(c => c.querySelector('.jp-InputArea-editor').textContent.includes(t));
         return parseInt(c.querySelector('.jp-InputPrompt').textContent.match(/\\[(\\d+)\\]/)[1]); }""", text)
 
@@ -208,7 +216,7 @@ def test_prefetch_explorer_switches_rules_in_the_browser(lab_url, browser):
                            ".some(e => e.textContent.includes('CountBudget('))", timeout=60_000)
     after = _widget_output(page, "CountBudget(")
     n = int(re.search(r"CountBudget\(n=(\d+)\)", after).group(1))
-    assert n > 0  # the first version drew CountBudget(n=0)
+    assert n > 0  # a count budget of 0 experts would prefetch nothing
     # the slider that is shown is the count's integer slider, with the model's 32 experts as its maximum
     assert page.locator(".widget-slider:visible").count() == 1
     select.select_option(label="percentile (paper: q=75)")

@@ -51,7 +51,8 @@ def test_a_ratio_link_moves_one_expert_in_ratio_layer_computes():
     hw = ratio_hardware(shape, comp, 2.0)
     assert hw.link.transfer_time(shape.nbytes(None)) == pytest.approx(2.0 * comp.decode_layer_s(2))
     fp16 = 3 * 16 * 16 * 2  # quantized experts keep the fp16 expert's clock
-    assert ratio_hardware(shape, comp, 2.0, "fate").link.transfer_time(fp16) == pytest.approx(2 * comp.decode_layer_s(2))
+    assert (ratio_hardware(shape, comp, 2.0, "fate").link.transfer_time(fp16)
+            == pytest.approx(2 * comp.decode_layer_s(2)))
 
 
 def _long(speeds: dict) -> pd.DataFrame:

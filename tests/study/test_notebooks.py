@@ -232,8 +232,16 @@ def test_claims_travel_through_an_executed_notebook_unchanged(tmp_path):
 
 
 def test_results_page_and_readme_headline_are_written_between_their_markers_from_one_verdict_data(tmp_path):
-    from fate_lab.mainjob import (HEADLINE_BEGIN, HEADLINE_END, RESULTS_BEGIN, RESULTS_END, collect, headline,
-                                  results_section, write_results)
+    from fate_lab.mainjob import (
+        HEADLINE_BEGIN,
+        HEADLINE_END,
+        RESULTS_BEGIN,
+        RESULTS_END,
+        collect,
+        headline,
+        results_section,
+        write_results,
+    )
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

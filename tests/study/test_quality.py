@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from fate_lab.model.testing import tiny_model
 from fate_lab.core.config import OffloadConfig
 from fate_lab.model.adapters import is_offloaded
+from fate_lab.model.testing import tiny_model
 from fate_lab.offloading.runtime import offload
 from fate_lab.paths import TINY_MOE_DIR
 from fate_lab.quant import quality_report
@@ -33,7 +33,7 @@ def test_heldout_inputs_and_reference_sizes(tiny):
     assert ref.describe() == {"windows": 2, "window_positions": 190, "prompts": 2, "decode_steps": 12}
     V = model.config.vocab_size
     assert [tuple(t.shape) for t in ref.decode_logits] == [(1, 6, V)] * 2
-    for tokens, logits in zip(ref.continuations, ref.decode_logits):
+    for tokens, logits in zip(ref.continuations, ref.decode_logits, strict=True):
         assert torch.equal(tokens, logits.argmax(-1))  # greedy: each token is the previous step's argmax
 
 

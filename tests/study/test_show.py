@@ -14,7 +14,8 @@ def test_cells_by_column_kind():
     assert show.column_kind("acceptance") == "percent"  # a speculative draft's accepted share, as 07 prints it
     assert (show.cell(0.5, "percent"), show.cell(0.0188, "signed percent"), show.cell(393216, "bytes")) == \
         ("50.0%", "+1.88%", "384 KiB")
-    assert (show.cell(float("nan")), show.cell(None), show.cell(True), show.cell([8, 8, 0])) == ("—", "—", "yes", "8 8 0")
+    assert (show.cell(float("nan")), show.cell(None), show.cell(True), show.cell([8, 8, 0])) == \
+        ("—", "—", "yes", "8 8 0")
     assert (show.cell(1234567), show.cell(12.3456)) == ("1,234,567", "12.3")
 
 

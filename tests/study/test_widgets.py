@@ -186,11 +186,11 @@ def test_make_rule_refuses_a_fractional_count(hand_trace):
 def _recorded(seed: int = 6):
     from helpers import prompt_ids
 
-    from fate_lab.model.adapters import adapt
-    from fate_lab.model.testing import tiny_model
-    from fate_lab.model.record import record_trace
-    from fate_lab.hardware.setups import Hardware
     from fate_lab.core.shape import ModelShape
+    from fate_lab.hardware.setups import Hardware
+    from fate_lab.model.adapters import adapt
+    from fate_lab.model.record import record_trace
+    from fate_lab.model.testing import tiny_model
 
     model = tiny_model("olmoe", seed=seed)
     prompts = [prompt_ids(model.config.vocab_size, n=10, seed=s)[0].tolist() for s in range(2)]

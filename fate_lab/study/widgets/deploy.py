@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from fate_lab.extras import need
+
 SPEED_COLUMNS = ["decode tok/s", "TTFT (ms)", "decode hit rate", "stall (ms/token)", "MiB moved per token",
                  "depends on routing"]
 OWN_LINK = "the device's own link"
@@ -35,7 +37,7 @@ def plan_explorer(model: str = "Qwen1.5-MoE-A2.7B", device: str = "rtx3090", bud
     """Dropdowns (model, device, link) and a budget slider -> `plan.plan` drawn: memory per preset (stacked bars),
     predicted decode tok/s and TTFT per preset (bars), the table. ``box.rendered`` holds the last plan and the
     arguments it was made with."""
-    import ipywidgets as W
+    W = need("ipywidgets")
     from IPython.display import display
 
     from fate_lab.hardware.devices import DEVICES
@@ -121,7 +123,7 @@ def placement_explorer(model: str = "Qwen3-30B-A3B", device: str = "rtx3060", we
     """Dropdowns (model, device, weight format, engine), host and RAM fields, a --n-cpu-moe slider -> that
     placement's row (`placement_table`) and decode tok/s against --n-cpu-moe for `formats` and the chosen one
     (`fit.n_cpu_moe_sweep`), the slider's N marked. ``box.rendered`` holds the last table and its arguments."""
-    import ipywidgets as W
+    W = need("ipywidgets")
     from IPython.display import display
 
     from fate_lab.hardware.devices import DEVICES
@@ -135,7 +137,8 @@ def placement_explorer(model: str = "Qwen3-30B-A3B", device: str = "rtx3060", we
     d = layout.dropdown("device", sorted(DEVICES), device)
     f = layout.dropdown("weights (--weights)", list(FORMATS), weights)
     e = layout.dropdown("engine (--engine)", list(ENGINES), "llama.cpp")
-    h = W.Text(value=host, description="host (--host)", style={"description_width": layout.LABEL_WIDTH}, layout=W.Layout(width="98%"))
+    h = W.Text(value=host, description="host (--host)", style={"description_width": layout.LABEL_WIDTH},
+               layout=W.Layout(width="98%"))
     r = W.Text(value=host_ram, description="host RAM (--host-ram)", style={"description_width": layout.LABEL_WIDTH},
                layout=W.Layout(width="98%"))
     n = layout.slider("int", "--n-cpu-moe", value=n_cpu_moe, min=0, max=P.model_spec(model).params.n_layers)

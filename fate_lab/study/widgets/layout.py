@@ -7,6 +7,8 @@ What it is not: a place that computes anything.
 """
 from __future__ import annotations
 
+from fate_lab.extras import need
+
 LABEL_WIDTH = "230px"  # wide enough for the longest label ("experts per layer n", "cache share of 448 experts")
 
 
@@ -17,7 +19,7 @@ def _style() -> dict:
 def slider(kind: str, description: str, **kw):
     """An IntSlider ('int'), FloatSlider ('float'), SelectionSlider ('select') or FloatLogSlider ('log') whose
     track fills the notebook's width; updates only when released."""
-    import ipywidgets as W
+    W = need("ipywidgets")
 
     cls = {"int": W.IntSlider, "float": W.FloatSlider, "select": W.SelectionSlider, "log": W.FloatLogSlider}[kind]
     return cls(description=description, continuous_update=False, layout=W.Layout(width="98%"), style=_style(), **kw)
@@ -25,7 +27,7 @@ def slider(kind: str, description: str, **kw):
 
 def dropdown(description: str, options, value=None):
     """A dropdown with the same label column as the sliders, wide enough for its longest option."""
-    import ipywidgets as W
+    W = need("ipywidgets")
 
     longest = max((len(str(o if not isinstance(o, tuple) else o[0])) for o in options), default=10)
     width = f"calc({LABEL_WIDTH} + {max(12, longest) + 6}ch)"
@@ -36,7 +38,7 @@ def dropdown(description: str, options, value=None):
 
 def toggle(description: str, options, value=None):
     """Toggle buttons with the same label column, each button wide enough for its label."""
-    import ipywidgets as W
+    W = need("ipywidgets")
 
     longest = max(len(str(o if not isinstance(o, tuple) else o[0])) for o in options)
     return W.ToggleButtons(description=description, options=options, value=value if value is not None else
@@ -46,15 +48,15 @@ def toggle(description: str, options, value=None):
 
 def status(text: str = ""):
     """A one-line label as wide as the notebook."""
-    import ipywidgets as W
+    W = need("ipywidgets")
 
     return W.Label(text, layout=W.Layout(width="98%"))
 
 
 def show_figure(fig) -> None:
     """Display a matplotlib figure in the current output and close it (no figure piles up)."""
-    import matplotlib.pyplot as plt
-    from IPython.display import display
+    plt = need("matplotlib.pyplot")
+    display = need("IPython.display").display
 
     display(fig)
     plt.close(fig)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pandas as pd
 
 from fate_lab.core.config import OffloadConfig
+from fate_lab.extras import need
 from fate_lab.model.trace import Trace
 from fate_lab.study import tables, whatif
 
@@ -32,7 +33,7 @@ def decode_explorer(model, input_ids, trace: Trace, hardware, shape, layer_s: fl
     """Sliders for L and the cache share; each change decodes `input_ids` for real with the fate preset
     (`tables.measured_and_predicted`) and the timed simulator predicts the same run on `trace` (recorded from
     the same prompt), `hardware` (this machine, calibrated once) and `shape` beside it."""
-    import ipywidgets as W
+    W = need("ipywidgets")
     from IPython.display import display
 
     from fate_lab.study import show
@@ -74,7 +75,7 @@ def host_explorer(trace: Trace, shape, hardware, slots: int):
 
     The returned box's ``rendered`` dict holds the last table drawn, so a test can read it without a browser.
     """
-    import ipywidgets as W
+    W = need("ipywidgets")
     from IPython.display import display
 
     from fate_lab.hardware.hosts import HOST_PROFILES
@@ -106,7 +107,7 @@ def window_explorer(trace: Trace, config: OffloadConfig, hardware, shape, matche
                     acceptance: float | None = None, draft_token_s: float = 0.0, max_window: int = 8):
     """Slider (speculative window) -> the simulator's plain vs assisted table for that window
     (`speculative.window_table`, from the draft's `matches` along `trace` or a fixed `acceptance`)."""
-    import ipywidgets as W
+    W = need("ipywidgets")
     from IPython.display import display
 
     from fate_lab.study import show, speculative
@@ -145,7 +146,7 @@ def threshold_explorer(trace: Trace, shape, hardware, slots: int, measured: pd.D
     """Dropdown (lossy rule) and slider (threshold) -> `tables.threshold_table`. The slider offers only the
     thresholds whose quality was measured (`measured`, a `quality.sweep_lossy` table), so the speed shown always
     stands beside the quality of the same setting. ``rendered`` holds the last table."""
-    import ipywidgets as W
+    W = need("ipywidgets")
     from IPython.display import display
 
     from fate_lab.study import show
@@ -170,7 +171,8 @@ def threshold_explorer(trace: Trace, shape, hardware, slots: int, measured: pd.D
             df = tables.threshold_table(trace, shape, hardware, slots, kind.value, float(thr.value), measured)
             box.rendered = {"kind": kind.value, "threshold": float(thr.value), "table": df}
             display(show.readable(df, caption=f"{kind.value} at threshold {thr.value:g}, {slots} cache slots; "
-                                              f"simulated on {whatif.describe(hardware)}; quality measured in the runtime"))
+                                              f"simulated on {whatif.describe(hardware)}; "
+                                              "quality measured in the runtime"))
 
     def _rule(*_):
         nonlocal syncing

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from fate_lab.core.config import OffloadConfig
+from fate_lab.extras import need
 from fate_lab.model.trace import Trace
 from fate_lab.policy.rules import Percentile, SelectionRule, rule_from_name
 from fate_lab.study import tables, whatif
@@ -113,7 +114,7 @@ def prefetch_explorer(trace: Trace):
     redrawing show in the output area. ``box.rendered`` holds what was drawn last (``rule``, ``phase``,
     ``title``, ``table``), so it can be checked without a browser.
     """
-    import ipywidgets as W
+    W = need("ipywidgets")
     from IPython.display import display
 
     from fate_lab.study import plots, show
@@ -206,7 +207,7 @@ def cache_explorer(trace: Trace, calibration: Trace | None = None, hardware=None
     """Sliders for L and the budget (slots), dropdowns for allocation, replacement and predictor: each setting is
     replayed (`cache_table`) and, with `hardware` and `shape` (``whatif.machine_hardware`` / ``ModelShape``), run
     through the timed simulator (`speed_line`). ``box.rendered`` holds the last table and speed line."""
-    import ipywidgets as W
+    W = need("ipywidgets")
     from IPython.display import display
 
     from fate_lab.study import plots, show
@@ -265,5 +266,6 @@ def speed_line(trace: Trace, allocation: str, boundary: int, replacement: str, p
         return "simulator: Belady and the oracle need the future (replay only)"
     row = tables.simulated_speed(trace, config_for(allocation, boundary, replacement, predictor, slots, calibration),
                                  hardware, shape)
-    return (f"simulated on {whatif.describe(hardware)}: decode hit rate {show.cell(row['decode hit rate'], 'percent')}, "
+    return (f"simulated on {whatif.describe(hardware)}: "
+            f"decode hit rate {show.cell(row['decode hit rate'], 'percent')}, "
             f"{show.cell(row['decode tok/s'])} tok/s, stall {show.cell(row['stall (ms/token)'])} ms/token")
