@@ -12,7 +12,9 @@ each policy replays every layer at 25% of the experts cached:
               should beat,
   libCacheSim its C simulator on the same per-layer streams, one request at a time (optional, GPL: never
               imported by fate_lab; skipped when absent).
-Then the miss curves (every capacity 0..E of every layer) of every policy on the array, in 2 threads,
+First, the public calls as users make them (`replay` and `sweep` on the array, end to end) beside the kernel
+alone and the OrderedDict LRU (`--public-only`: that table alone). Then the miss curves (`miss_curves`, public:
+every capacity 0..E of every layer) of every policy on the array, in 2 threads,
 and the first-call cost of the kernels (compile into an empty cache, in a fresh process).
 
     python -m benchmarks.bench_replay_speed --out benchmarks/results/replay_speed_2026-12-01.md [--quick]
@@ -201,11 +203,47 @@ def speed_table(name, ex, phase, E, preds, n_pure) -> list[str]:
     return out
 
 
+def public_table(quick: bool) -> list[str]:
+    """The public calls as the docs show them, on the real-size array, beside the kernel alone and OrderedDict.
+
+    `replay(ex, slots_per_layer=..., policy=...)` and `sweep(...)` take the numpy array as a user has it: their
+    input checks, conversion, config and stats are all inside the time. The kernel column times
+    `replay_jobs_fast` alone on the same array (what the tables above call fast).
+    """
+    from fate_lab.sim.fast_replay import replay_jobs_fast
+    from fate_lab.sim.replay import replay, sweep
+
+    ex, phase, E = real_size_array(quick)
+    N, L, k = ex.shape
+    cap, lookups = E // 4, N * L * k
+    rows = [[ex[t, l].tolist() for t in range(N)] for l in range(L)]
+    od = rate(lambda: [ordered_dict_lru(r, cap) for r in rows], lookups, warm=False)
+    jobs = dict(layers=list(range(L)), capacities=[cap] * L)
+    out = [f"## The public calls: {N} tokens x {L} layers x top-{k} of {E} (numpy array), {cap} slots per layer", "",
+           f"`replay(ex, slots_per_layer={cap}, policy=...)` end to end (checks, conversion, config, stats) beside "
+           "the compiled kernel alone on the same array, and the 20-line OrderedDict LRU over the same "
+           f"{lookups / 1e6:.0f}M look-ups in this process: {_pair(od, 2)} M look-ups/s.", "",
+           "| policy | replay() public | kernel alone | public / kernel (wall) | public / OrderedDict LRU (wall) |",
+           "|---|---|---|---|---|"]
+    for pol in POLICIES:
+        pub = rate(lambda pol=pol: replay(ex, slots_per_layer=cap, policy=pol), lookups)
+        ker = rate(lambda pol=pol: replay_jobs_fast(ex, None, policy=pol, **jobs), lookups)
+        out.append(f"| {pol} | {_pair(pub)} | {_pair(ker)} | {pub[0] / ker[0]:.2f} | {pub[0] / od[0]:.1f}x |")
+    bounds, budgets = [0, L // 4, L // 2], [L * E // 8, L * E // 4, L * E // 2]
+    res, wall, cpu = timed(lambda: sweep(ex, boundaries=bounds, budgets=budgets, num_experts=E, policy="arc"))
+    pairs = len({(l, s) for sl in res["slots"] for l, s in enumerate(sl)})
+    out += ["", f"`sweep(ex, boundaries={bounds}, budgets={budgets}, num_experts={E}, policy='arc')`: {pairs} layer "
+            f"replays in {wall:.1f} s wall ({cpu:.1f} s CPU), {pairs * N * k / wall / 1e6:.1f} M look-ups/s wall.", ""]
+    return out
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     ap.add_argument("--quick", action="store_true", help="FAST traces and a 20k-token array (a smoke run)")
     ap.add_argument("--no-curves", action="store_true", help="skip the miss curves")
+    ap.add_argument("--public-only", action="store_true",
+                    help="only the public calls' table (replay, sweep) on the real-size array: a few minutes")
     args = ap.parse_args(argv)
     from fate_lab.sim.fast_replay import replay_jobs_fast
     from fate_lab.sim.replay import miss_curves
@@ -227,9 +265,10 @@ def main(argv: list[str] | None = None) -> str:
              "time, no protection of the current token (S3-FIFO only from 20 slots, where libCacheSim's small queue "
              "holds 2 objects). The real-size array is built from tiny_deepseek's routing (benchmarks/real_size.py).",
              ""]
-    for w in workloads(args.quick):
+    lines += public_table(args.quick)
+    for w in ([] if args.public_only else workloads(args.quick)):
         lines += speed_table(*w)
-    if not args.no_curves:
+    if not args.no_curves and not args.public_only:
         ex, _, E = real_size_array(args.quick)
         N, L, k = ex.shape
         lines += [f"## Miss curves: every capacity 0..{E} of all {L} layers of the array ({N} tokens x top-{k}, "

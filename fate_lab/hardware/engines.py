@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-FATE_LAB_MOE_CALL_S = 476e-6  # fate_lab's host time per experts call: 404-548 us measured (issue 34: hooks on a
-# tiny random Qwen2-MoE, 8 MoE layers, every expert cached, one torch thread, this 2-core AMD EPYC); the middle
-# of that range. ONE constant: update it here when the runtime's call gets cheaper.
+FATE_LAB_MOE_CALL_S = 100e-6  # fate_lab's host time per experts call, fate's (prediction included; lru 78 us,
+# plain transformers 92 us): benchmarks/results/host_path_2026-12-04.md (bench_host_path: hooks on a tiny random
+# Qwen2-MoE, 8 MoE layers, every expert cached, one torch thread, the 2-core AMD EPYC of the test machine).
+# ONE constant: update it here when the runtime's call changes.
 HOP_S = 30e-6  # activations GPU->CPU->GPU and a thread-pool wake per CPU-expert layer: two ~10 us copies + ~10 us
 # of wake-up and synchronisation (estimate; Fiddler reports tens of microseconds per host call)
 PREFILL_STREAM_MIN_BATCH = 32  # llama.cpp's CUDA backend offloads an op on CPU-resident weights to the GPU from
@@ -83,7 +84,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            cpu_flops_eff=0.4, prefill_stream=False,
            sources={"cpu_bw_eff": "estimate: hosts.py's 0.5 for bf16 expert GEMVs (no measurement found)",
                     "cpu_core_bps": "as llama.cpp (estimate)", "numa_gain": "estimate: no NUMA placement",
-                    "layer_s": "measured: FATE_LAB_MOE_CALL_S (issue 34, this machine)",
+                    "layer_s": "measured: FATE_LAB_MOE_CALL_S (bench_host_path)",
                     "hop_s": "estimate (HOP_S)", "cpu_flops_eff": "estimate (as llama.cpp)",
                     "prefill_stream": "host compute runs a prompt's host experts on the CPU"}),
 )}

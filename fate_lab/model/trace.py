@@ -273,10 +273,11 @@ def _duplicate_rows(experts: torch.Tensor) -> torch.Tensor:
     if k > _PAIRWISE_MAX_K:
         s = torch.sort(experts, dim=-1).values  # (N, L, k)
         return (s[..., 1:] == s[..., :-1]).any(dim=-1)
+    cols = experts.permute(2, 0, 1).contiguous()  # (k, N, L): each compare below reads contiguous memory
     dup = torch.zeros(experts.shape[:2], dtype=torch.bool, device=experts.device)  # (N, L)
     for i in range(k):
         for j in range(i + 1, k):
-            dup |= experts[..., i] == experts[..., j]
+            dup |= cols[i] == cols[j]
     return dup
 
 

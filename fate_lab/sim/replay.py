@@ -77,8 +77,7 @@ def _prepare(experts, predictions: Predictions | None, phase):
         if phase not in PHASES:
             raise ValueError(f"phase={phase!r}: give 'prefill', 'decode', or one 0/1 per token")
         phase = torch.full((N,), PHASES.index(phase))
-    rows = ex.tolist()
-    uses = [[rows[t][l] for t in range(N)] for l in range(L)]
+    uses = _LayerUses(ex)
     preds = None
     if isinstance(predictions, PredictedSets):
         if predictions.offsets.shape != (L, N + 1):
@@ -93,6 +92,25 @@ def _prepare(experts, predictions: Predictions | None, phase):
     if len(phases) != N or any(p not in (0, 1) for p in phases):
         raise ValueError(f"phase must hold one 0 (prefill) or 1 (decode) per token ({N} tokens)")
     return uses, preds, phases, L, k, trace, ex
+
+
+class _LayerUses:
+    """``uses[l]``: layer l's ids per token as Python lists, made when the pure cache asks for that layer.
+
+    The compiled replay reads the array itself, so a call it covers never pays for lists (converting a
+    180k-token x 26-layer array to lists takes longer than replaying it).
+    """
+
+    def __init__(self, ex: Tensor):
+        self.ex, self.made = ex, {}
+
+    def __len__(self) -> int:
+        return self.ex.shape[1]
+
+    def __getitem__(self, l: int) -> list[list[int]]:
+        if l not in self.made:
+            self.made[l] = self.ex[:, l].tolist()
+        return self.made[l]
 
 
 def trace_shape(trace_or_experts, num_experts: int | None = None) -> ModelShape:
@@ -170,7 +188,8 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
     core = DriverCore(config, shape, Hardware(None, None), driver="replay")
     pol_spec = policy if policy is not None and not isinstance(policy, str) else config.replacement
     kw = policy_kw or {}
-    pols = [make_policy(pol_spec, s, uses[l], kw) for l, s in enumerate(core.slots_per_layer)]
+    compiled = fast and fast_supported(pol_spec, kw)  # reads no router probabilities (fast_supported's policies)
+    pols = [] if compiled else [make_policy(pol_spec, s, uses[l], kw) for l, s in enumerate(core.slots_per_layer)]
     reads_router = config.predictor in ("cross_layer_gate", "learned_gate") and preds is None
     router = _router(trace, router, reads_router or any(p.wants_scores for p in pols))
     if preds is None and config.predictor is not None:
@@ -184,7 +203,7 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
         gi = trace.gate_inputs.float()
         probs = [router.scores(l, gi[:, l]).tolist() for l in range(L)]
     buffer = core.prefetch_buffers if preds is not None else 0
-    if fast and probs[0] is None and fast_supported(pol_spec, kw):
+    if compiled:
         stats = fast_layers(ex, preds, phases, pol_spec, kw, list(enumerate(core.slots_per_layer)), buffer,
                       config.admit_prefetch, 1)
     else:
@@ -302,7 +321,7 @@ def miss_curves(experts, num_experts: int, *, policy: PolicySpec = "lru", predic
         raise ValueError(f"num_experts={num_experts!r}: give the experts per layer, an int >= 1")
     _check_admit(admit_prefetch)
     uses, preds, phases, L, k, _, ex = _prepare(experts, predictions, None)
-    top = max((max(max(r) for r in u) for u in uses if u), default=-1)
+    top = int(ex.max()) if ex.numel() else -1
     if top >= num_experts:
         raise ValueError(f"num_experts={num_experts} but the trace routes to expert {top}: give the trace's expert "
                          f"count (at least {top + 1})")
