@@ -95,5 +95,5 @@ def model_params(model, name: str, top_k: int, kv_bytes_per_token: float = 0.0):
     cfg = model.config
     heads, kv = getattr(cfg, "num_attention_heads", 1) or 1, getattr(cfg, "num_key_value_heads", None) or 1
     layers = tuple(LayerParams(tuple(sorted(d.items())), kv_bytes_per_token=kv_bytes_per_token / n, **x)
-                   for d, x in zip(dense, experts))
+                   for d, x in zip(dense, experts, strict=False))
     return ModelParams(name, layers, embed, head, other, top_k, int(cfg.hidden_size), max(1, heads // kv))

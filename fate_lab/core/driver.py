@@ -29,10 +29,10 @@ from fate_lab.core.sizing import STANDIN_SPEC, slot_sizing, standin_pool_bytes
 from fate_lab.hardware.setups import Hardware
 from fate_lab.policy.cache import ExpertCache, Link
 from fate_lab.policy.placement import HostPlacement, host_layer_set
-from fate_lab.policy.predictors import Predictor
 from fate_lab.policy.planner import plan_offload
-from fate_lab.policy.replacement import ReplacementPolicy
+from fate_lab.policy.predictors import Predictor
 from fate_lab.policy.registry import policy_from_name
+from fate_lab.policy.replacement import ReplacementPolicy
 from fate_lab.policy.rules import RouterScores
 from fate_lab.policy.stats import PHASES, PhaseStats, RunStats
 from fate_lab.policy.step import LayerCall, StepRules, run_layer

@@ -11,6 +11,7 @@ What it is not: the model (`fate_lab/model/`) or a hardware profile (`fate_lab/h
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from fate_lab.quant import QuantSpec, expert_nbytes

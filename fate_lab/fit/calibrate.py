@@ -16,7 +16,6 @@ import torch
 from fate_lab.core.config import OffloadConfig
 from fate_lab.hardware.compute import ComputeProfile
 
-
 RESIDENT_RUNS = 3  # measured all-resident generates
 
 
@@ -104,7 +103,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
         extra = med([a1 - a0 - nominal for _, _, a0, a1 in moves])
         landed_at: dict = {}
         wakes = []
-        for kind, m, e, a0, a1 in tl2:
+        for kind, m, e, _a0, a1 in tl2:
             if kind in ("demand", "prefetch"):
                 landed_at[m, e] = a1
             elif kind == "stall" and (m, e) in landed_at and landed_at[m, e] <= a1:

@@ -35,7 +35,7 @@ from fate_lab.model.trace import DECODE, PREFILL, Trace
 from fate_lab.model.trace import cross_layer_scores as trace_cross_layer_scores
 from fate_lab.policy.prediction_metrics import evaluate_rule
 from fate_lab.policy.predictors import CrossLayerGate
-from fate_lab.policy.probes import HIDDEN, LearnedGate, MATCH_MODES, PHASE_NAMES, ProbeSet, Threshold
+from fate_lab.policy.probes import HIDDEN, MATCH_MODES, PHASE_NAMES, LearnedGate, ProbeSet, Threshold
 from fate_lab.policy.rules import Percentile, next_layer_scores
 
 _SATURATED_LOGIT = 30.0  # bias of a probe whose expert was never (or always) routed to in training
@@ -354,10 +354,12 @@ def compare_with_percentile(probes: ProbeSet, eval_trace: Trace, q: float = 75.0
     for l in range(P):  # what a driver pays per layer and decode token: scores, then predict (as policy/step.py)
         w, x, cur = rw[l + 1], x1[l : l + 1], eval_trace.experts[t1, l]  # (E, H), (1, H), (k,)
         timing[l + 1] = {
-            "probe_score_us": _host_us(lambda: learned.scores(l, x), reps),
-            "gate_score_us": _host_us(lambda: next_layer_scores(w, x, scoring), reps),
-            "probe_predict_us": _host_us(lambda: learned.predict(l, learned.scores(l, x)[0], cur), reps),
-            "gate_predict_us": _host_us(lambda: fate.predict(l, next_layer_scores(w, x, scoring)[0], cur), reps),
+            "probe_score_us": _host_us(lambda l=l, x=x: learned.scores(l, x), reps),
+            "gate_score_us": _host_us(lambda w=w, x=x: next_layer_scores(w, x, scoring), reps),
+            "probe_predict_us": _host_us(lambda l=l, x=x, cur=cur: learned.predict(l, learned.scores(l, x)[0], cur),
+                                        reps),
+            "gate_predict_us": _host_us(
+                lambda l=l, w=w, x=x, cur=cur: fate.predict(l, next_layer_scores(w, x, scoring)[0], cur), reps),
         }
     for col in ("probe_score_us", "gate_score_us", "probe_predict_us", "gate_predict_us"):
         per_layer = {l: t[col] for l, t in timing.items()}

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from fate_lab.model.adapters import adapt
 from fate_lab.model.trace import Trace
-from fate_lab.policy.similarity import ExpertSimilarity, FLOOR, MAX_TOKENS
+from fate_lab.policy.similarity import FLOOR, MAX_TOKENS, ExpertSimilarity
 
 _CHUNK = 512  # tokens per chunk: bounds the [E, chunk, H] outputs held at once
 
@@ -180,6 +180,6 @@ def comparison_table(model: nn.Module, sim: ExpertSimilarity, eval_trace: Trace,
     moments = output_moments(model, eval_trace, max_tokens, float(sim.meta.get("floor", FLOOR)), progress)
     rows = compare_predictors({"outputs": sim.sim, "weights": weight_similarity(model)}, relative_error(moments))
     scaled = compare_predictors({"outputs": sim.sim}, relative_error(moments, sim.scale))
-    for row, s in zip(rows, scaled):
+    for row, s in zip(rows, scaled, strict=False):
         row["nearest by outputs, scaled"] = s["nearest by outputs"]
     return rows

@@ -330,7 +330,7 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
     load_summary = [
         {"layer": i, "cold_experts(<0.25x uniform)": sum(s < 0.25 / E for s in row),
          "quietest_vs_uniform": round(min(row) * E, 2), "busiest_vs_uniform": round(max(row) * E, 2)}
-        for i, row in zip(moe_layer_indices(model), load)
+        for i, row in zip(moe_layer_indices(model), load, strict=False)
     ]
     card = {
         "architecture": type(model).__name__,
@@ -368,7 +368,7 @@ def _write_model_card(out_dir: Path, card: dict) -> None:
     size_mb = sum(f.stat().st_size for f in out_dir.glob("*.safetensors")) / 1e6
     lines = [
         f"# {title}", "",
-        f"Trained by `{cmd}` (fate_lab/model/train.py) on `data/corpus` (public-domain texts from Debian "
+        f"Trained by `{cmd}` (fate_lab/fit/train.py) on `data/corpus` (public-domain texts from Debian "
         "packages; see data/corpus/SOURCES.md).", "",
         f"- Architecture: `{card['architecture']}`, {card['parameters'] / 1e6:.1f}M parameters "
         f"({size_mb:.1f} MB of bf16 safetensors): {shape}, byte-level BPE vocab {c['vocab_size']}.",

@@ -153,7 +153,7 @@ class ExpertIndex:
                 src.per_expert.setdefault(int(hit[-1]), {})[pattern] = (file, key)
             else:
                 src.whole[pattern or key] = (file, key)
-        for (m, name), src in experts.items():
+        for (m, _name), src in experts.items():
             present = set(src.whole) | {p for parts in src.per_expert.values() for p in parts}
             if src.converter is not None and not all(_expert_safe(op, len(present)) for op in src.converter.operations):
                 refusals.append(f"{src.target} (MoE layer {m}): transformers builds it from {sorted(present)} with "

@@ -27,7 +27,6 @@ from fate_lab.offloading.store import HostStore
 from fate_lab.quant import PackedExpert, QuantizedTensor, QuantSpec
 
 
-
 class DeviceSlots:
     """Interface of the device slots (see the module docstring)."""
 
@@ -161,7 +160,7 @@ class PackedSlots(DeviceSlots):
             sizes = segment_bytes(name, shape, spec, self.dtype)
             parts = ("w",) if len(sizes) == 1 else ("packed", "scale", "zero")
             segs = {}
-            for part, n in zip(parts, sizes):
+            for part, n in zip(parts, sizes, strict=False):
                 segs[part] = (off, n)
                 off += aligned(n)
             out[name] = segs

@@ -258,7 +258,7 @@ class ExpertCache:
     def preload(self, m: int, experts: list[int]) -> list[tuple[int, int]]:
         """Mark experts of layer m cached (the caller loads them): returns (expert, slot) pairs."""
         layer, out = self.layers[m], []
-        for e, slot in zip(experts, layer.cache_slots):
+        for e, slot in zip(experts, layer.cache_slots, strict=False):
             layer.policy.admit(e)
             layer.where[e] = slot
             layer.valid.add(e)
@@ -279,11 +279,6 @@ class ExpertCache:
 
     def _release(self, slot: int) -> None:
         self._pool_of[slot].free.append(slot)
-
-    @property
-    def staging_free(self) -> int:
-        """Free staging slots of every pool."""
-        return len(self.demand.free) + sum(len(p.free) for p in self.prefetch_pools)
 
     def _reserve(self, m: int, e: int, protect: frozenset, for_prefetch: bool) -> int | None:
         """A slot for expert e of layer m from its cache or from staging; None if there is none now."""

@@ -163,6 +163,6 @@ def plan_offload(config, *, num_layers: int, num_experts: int, top_k: int, slot_
     per_device = allocation_from_name(config.allocation, **params).allocate(cache_total, len(device), num_experts) \
         if device else []
     slots_per_layer = [0] * num_layers
-    for m, c in zip(device, per_device):
+    for m, c in zip(device, per_device, strict=False):
         slots_per_layer[m] = c
     return plan, slots_per_layer, buffers

@@ -15,6 +15,7 @@ from torch import Tensor
 from fate_lab.policy.predictors import Predictor
 from fate_lab.policy.rules import SelectionRule
 
+
 def _true_mask(true_experts: Tensor, num_experts: int) -> Tensor:
     """``[N, L, k]`` ids -> ``[N, L-1, E]`` mask of layer l+1's true experts."""
     nxt = true_experts[:, 1:]  # (N, L-1, k)
@@ -37,7 +38,7 @@ def _metrics(pred: Tensor, true: Tensor, sel: Tensor | None = None) -> dict:
 
     per_layer = [
         {"layer": l + 1, "recall": float(r), "precision": float(p), "mean_set_size": float(s)}
-        for l, (r, p, s) in enumerate(zip(mean(recall, 0), mean(precision, 0), mean(size, 0)))
+        for l, (r, p, s) in enumerate(zip(mean(recall, 0), mean(precision, 0), mean(size, 0), strict=False))
     ]
     return {
         "tokens": n,

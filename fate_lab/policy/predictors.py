@@ -168,7 +168,7 @@ class ActivationPath(Predictor):
     def _learn(self, layer: int, src_rows: list[list[int]], dst_rows: list[list[int]]) -> None:
         co = self._co.setdefault(layer, {})
         tot = self._tot.setdefault(layer, Counter())
-        for src, dst in zip(src_rows, dst_rows):
+        for src, dst in zip(src_rows, dst_rows, strict=False):
             for i in src:
                 co.setdefault(i, Counter()).update(dst)
                 tot[i] += 1

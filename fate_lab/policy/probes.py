@@ -92,8 +92,8 @@ class ProbeSet:
             raise ValueError(f"ProbeSet.thresholds must be [2 phases (prefill, decode), {P} probes]; got "
                              f"{tuple(self.thresholds.shape)}")
         hidden = [None] * P if self.hidden_weight is None else list(zip(self.hidden_weight.float(),
-                                                                         self.hidden_bias.float()))
-        self._layers.extend(zip(hidden, self.weight.float(), self.bias.float()))  # float32 views, made once
+                                                                         self.hidden_bias.float(), strict=False))
+        self._layers.extend(zip(hidden, self.weight.float(), self.bias.float(), strict=False))  # float32 views, made once
 
     @property
     def num_layers(self) -> int:

@@ -94,7 +94,7 @@ class RouterEMA(ScoredEviction):
         d = self.decay ** max(1, n_tokens)
         if not self._score:
             self._score = [0.0] * len(probs)
-        self._score = [d * a + (1.0 - d) * b for a, b in zip(self._score, probs)]
+        self._score = [d * a + (1.0 - d) * b for a, b in zip(self._score, probs, strict=False)]
 
     def _rank(self, e: int) -> tuple[float, int]:
         """Lowest score (next victim) first; ties: the least recently used."""

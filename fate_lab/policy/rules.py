@@ -112,7 +112,7 @@ class SelectionRule:
         mask = self.select(scores)  # (T, E)
         order = self.order(scores)  # (T, E)
         n = mask.sum(-1).tolist()
-        return [row[:k] for row, k in zip(order.tolist(), n)]  # the mask is always a prefix of the order
+        return [row[:k] for row, k in zip(order.tolist(), n, strict=False)]  # the mask is always a prefix of the order
 
 
 def _topn_mask(scores: Tensor, n: int | Tensor) -> Tensor:

@@ -77,7 +77,7 @@ def _miss_plan(rules: StepRules, call: LayerCall, flat: list[int]):
     w = call.weights.reshape(-1).tolist()  # (K,) gate weights of the token's experts, in flat's order
     total = sum(w) or 1.0
     share: dict[int, float] = {}
-    for e, wi in zip(flat, w):
+    for e, wi in zip(flat, w, strict=False):
         share[e] = share.get(e, 0.0) + wi / total
     mass = None
     if mp.kind == "commit":

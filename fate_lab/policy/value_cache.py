@@ -28,8 +28,7 @@ import dataclasses
 from typing import Callable
 
 from fate_lab.policy.cache import ExpertCache
-from fate_lab.policy.value import Candidate, LinkView, RankOdds, UseRate, plan_prefetches, worth_admitting, \
-    would_evict
+from fate_lab.policy.value import Candidate, LinkView, RankOdds, UseRate, plan_prefetches, worth_admitting, would_evict
 
 DEMAND_EMA = 0.1  # weight of the newest decode call in the estimate of P(a layer issues a demand load)
 

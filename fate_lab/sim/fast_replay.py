@@ -168,7 +168,7 @@ def replay_jobs_fast(uses, phases=None, *, policy: str = "lru", layers: Sequence
 
 
 def _counts(row: np.ndarray) -> dict[str, int]:
-    c = dict(zip(COUNTS, (int(x) for x in row)))
+    c = dict(zip(COUNTS, (int(x) for x in row), strict=False))
     c["uses"] = c["uses_prefill"] + c["uses_decode"]
     c["hits"] = c["hits_prefill"] + c["hits_decode"]
     return c

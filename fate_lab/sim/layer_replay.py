@@ -127,7 +127,7 @@ def _layer_stats(c: dict, n_prefill: int, n_decode: int) -> LayerStats:
     """A fast-replay counts dict as per-phase PhaseStats (bytes_moved counts experts moved)."""
     out = {}
     for ph, calls, part in (("prefill", n_prefill, "_prefill"), ("decode", n_decode, None)):
-        def v(key):  # noqa: E306
+        def v(key, part=part):  # noqa: E306
             return c[key + "_prefill"] if part else c[key] - c[key + "_prefill"]
         loads, demand = v("prefetch_loads"), v("demand_loads")
         out[ph] = PhaseStats(calls=calls, uses=c["uses_" + ph], hits=c["hits_" + ph], misses=demand,

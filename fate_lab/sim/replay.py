@@ -37,12 +37,19 @@ from fate_lab.hardware.setups import Hardware
 from fate_lab.model.trace import router_scores
 from fate_lab.policy.allocation import ShallowFavoringAllocation
 from fate_lab.policy.prediction_metrics import predict_trace
-from fate_lab.policy.rules import RouterScores, SelectionRule
 from fate_lab.policy.registry import policy_from_name
+from fate_lab.policy.rules import RouterScores, SelectionRule
 from fate_lab.policy.stats import PHASES, PhaseStats, RunStats
 from fate_lab.sim.fast_replay import PredictedSets, fast_supported
-from fate_lab.sim.layer_replay import (LayerStats, PolicySpec, fast_layers, make_policy, replay_layer,
-                                       replay_layer_pure, run_layers)
+from fate_lab.sim.layer_replay import (
+    LayerStats,
+    PolicySpec,
+    fast_layers,
+    make_policy,
+    replay_layer,
+    replay_layer_pure,
+    run_layers,
+)
 
 Predictions = list  # list[N] of list[L] of (list[int] | None)
 
@@ -280,7 +287,7 @@ def sweep(experts, *, boundaries: Sequence[int], budgets: Sequence[int], num_exp
                     for l, s in enumerate(allocation(b).allocate(budget, L, num_experts))})
     _bound(len(pairs), max_replays, "sweep")
     memo = dict(zip(pairs, run_layers(ex, uses, preds, phases, policy, kw, pairs, prefetch_buffer, top_k, admit_prefetch,
-                                 n_jobs, fast)))
+                                 n_jobs, fast), strict=False))
     cols: dict[str, list] = {k: [] for k in ("boundary", "cache_total", "slots", "hit_rate", "hit_rate_prefill",
                                              "hit_rate_decode", "misses", "bytes_moved", "prefetch_loads",
                                              "prefetch_wasted")}

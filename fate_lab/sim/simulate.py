@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fate_lab.core.config import OffloadConfig
 from fate_lab.core.autoplan import resolved
+from fate_lab.core.config import OffloadConfig
 from fate_lab.core.driver import DriverCore, LinkContext, link_capacity, link_view
 from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.compute import ComputeProfile
-from fate_lab.hardware.profiles import COMPUTE_PROFILES
 from fate_lab.hardware.links import LinkProfile
+from fate_lab.hardware.profiles import COMPUTE_PROFILES
 from fate_lab.hardware.setups import Hardware
 from fate_lab.model.trace import PREFILL, Trace, router_scores
 from fate_lab.policy.cache import HOST

@@ -222,7 +222,7 @@ def union_sizes(trace: Trace, max_tokens: int) -> list[float]:
             distinct = (win > 0).sum(-1).float()  # (D-T+1, M)
             sums[T] += distinct.sum().item()
             counts[T] += distinct.numel()
-    out = [s / c if c else float("nan") for s, c in zip(sums, counts)]
+    out = [s / c if c else float("nan") for s, c in zip(sums, counts, strict=False)]
     out[0] = 0.0
     return out
 

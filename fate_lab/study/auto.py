@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pandas as pd
+
+if TYPE_CHECKING:
+    import torch
 
 from fate_lab.core.config import OffloadConfig
 from fate_lab.core.shape import ModelShape
@@ -221,7 +225,6 @@ def resolve(config: OffloadConfig, shape: ModelShape | None = None, hardware: Ha
 
 def _resolve_for_model(config: OffloadConfig, model) -> OffloadConfig:
     """Plan on this machine: its layer time and compute profile measured, a short calibration trace recorded."""
-    import torch
 
     from fate_lab.core.shape import model_source
     from fate_lab.fit.calibrate import calibrate_compute

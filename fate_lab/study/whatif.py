@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from typing import TYPE_CHECKING
 
 import pandas as pd
+
+if TYPE_CHECKING:
+    import torch
 
 from fate_lab.core.config import OffloadConfig
 from fate_lab.core.shape import ModelShape
@@ -28,7 +32,6 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -
     """(Hardware, layer seconds) of this machine running `model` with the emulated `link`: the run's one clock
     (`clock.machine_clock`, threads pinned) scales the runtime's link and the simulator's alike; the compute
     profile is calibrated once per (model, link) in this process, threads pinned too."""
-    import torch
     from tqdm.auto import tqdm
 
     from fate_lab.study.clock import machine_clock, pinned

@@ -17,8 +17,21 @@ import math
 
 from numba import njit
 
-from fate_lab.sim.fast.structs import (HEAP, K1, K2, POS, heap_min_unprotected, heap_push, heap_remove, heap_update,
-                                       ll_append, ll_first_unprotected, ll_move, ll_reset, ll_unlink)
+from fate_lab.sim.fast.structs import (
+    HEAP,
+    K1,
+    K2,
+    POS,
+    heap_min_unprotected,
+    heap_push,
+    heap_remove,
+    heap_update,
+    ll_append,
+    ll_first_unprotected,
+    ll_move,
+    ll_reset,
+    ll_unlink,
+)
 
 HEAPED = 31  # S[HEAPED]: 1 if the ranked residents are a heap
 

@@ -14,8 +14,17 @@ import math
 from numba import njit
 
 from fate_lab.sim.fast.classic import ranked_init, ranked_insert, ranked_min, ranked_rekey, ranked_remove
-from fate_lab.sim.fast.structs import (HEAP, K1, K2, ll_append, ll_first_unprotected, ll_move, ll_reset, ll_unlink,
-                                       splitmix_uniform)
+from fate_lab.sim.fast.structs import (
+    HEAP,
+    K1,
+    K2,
+    ll_append,
+    ll_first_unprotected,
+    ll_move,
+    ll_reset,
+    ll_unlink,
+    splitmix_uniform,
+)
 
 # --- S3-FIFO: lists small, main, ghost (codes 1-3, sentinels E..E+2, sizes S[11..13]); I[2] code, I[3] count
 # S[4] small share, S[5] main share, S[6] ghost size, S[7] move threshold, S[8] has evicted
