@@ -197,11 +197,12 @@ class Runtime:
         x = kwargs.get("input_ids", args[0] if args else None)
         if x is None:
             x = kwargs.get("inputs_embeds")
-        # prefill: a forward that starts the KV cache with more than one token; decode: one token, or
-        # several that extend a non-empty KV cache (a speculative verify step)
+        # the one phase rule (the simulator and the trace follow it too): prefill is the forward that starts the
+        # KV cache, however many tokens it holds (a 1-token prompt too); decode is every forward that extends a
+        # non-empty one (one token, or several: a speculative verify step)
         pkv = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5 names it `cache`
         past = pkv.get_seq_length() if pkv is not None and hasattr(pkv, "get_seq_length") else 0
-        self.core.begin_forward("prefill" if x is not None and x.shape[1] > 1 and not past else "decode")
+        self.core.begin_forward("prefill" if x is not None and not past else "decode")
         self._fwd_t0 = time.perf_counter()
 
     def _post_forward(self, _module, _args, _out) -> None:

@@ -314,7 +314,9 @@ def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: Mod
     router = check_trace(trace, config, shape, router)
     sim = Simulator(config, hardware, shape, router=router, miss_curves=miss_curves, predictor=predictor)
     gi = trace.gate_inputs.float() if router is not None else None
-    for a, b in trace_steps(trace):
+    phase = trace.phase.tolist()
+    for a, b in trace_steps(trace):  # the trace's phase: a prompt's first forward is its prefill, one token or more
         sim.forward(trace.experts[a:b], None if gi is None else gi[a:b],
+                    phase="prefill" if phase[a] == PREFILL else "decode",
                     weights=None if config.lossy is None else trace.weights[a:b])
     return sim.stats

@@ -87,6 +87,26 @@ def test_simulator_counts_equal_runtime_counts_on_other_families(family, tiny_mo
     _check(model, _prompts(model), new_tokens=8, budgets=[a.num_moe_layers * 2, a.num_moe_layers * a.num_experts // 2])
 
 
+def test_a_one_token_prompt_is_a_prefill_in_the_trace_the_runtime_and_the_simulator(tiny_models):
+    """One phase rule: the forward that starts the KV cache is the prefill, a 1-token prompt's too. Before it, the
+    trace called that forward prefill and both drivers decode, so the TTFT came out NaN."""
+    model = tiny_models("olmoe", seed=1)
+    a = adapt(model)
+    prompts = [[p[0]] for p in _prompts(model)]  # two 1-token prompts
+    trace = record_trace(model, None, prompts, decode_tokens=3, progress=False)
+    assert (trace.phase == 0).sum().item() == len(prompts)  # the trace: one prefill row per prompt
+    cfg = OffloadConfig.preset("lru", link="instant", slots=a.num_moe_layers * 2)
+    with offload(model, cfg) as rt:
+        for p in prompts:
+            _greedy(model, p, 4)
+        real = rt.stats
+    sim = simulate(trace, cfg, HW, ModelShape.from_adapter(a))
+    for stats in (real, sim):
+        assert stats.layers[0]["prefill"].calls == len(prompts) and stats.layers[0]["decode"].calls == 3 * len(prompts)
+        assert stats.ttft_s == stats.ttft_s and stats.ttft_s > 0  # a number, not NaN
+    _check(model, prompts, new_tokens=4, budgets=[a.num_moe_layers * 2])
+
+
 @pytest.mark.parametrize("family", ["gemma4_text", "zaya"])
 def test_a_router_the_trace_cannot_reproduce_is_carried_or_refused(family, tiny_models):
     """Gemma 4 normalises and scales its gate input before the projection, ZAYA routes with an MLP: their traces'
