@@ -332,8 +332,7 @@ def policy_probes(tmp: Path):
             trace, OffloadConfig.preset("lru", slots=6, replacement=n), hw, shape), *(
             ("the lead (sim/: the simulator gives Belady no future)",) if name == "belady" else ())
     yield "replay: policy='LRU' (any case) works", None, lambda: replay(trace, slots_per_layer=3, policy="LRU")
-    yield "replay: policy=3", "policy", lambda: replay(trace, slots_per_layer=3, policy=3), \
-        "the lead (sim/replay.py: 'int' object is not callable)"
+    yield "replay: policy=3", "policy", lambda: replay(trace, slots_per_layer=3, policy=3)
     yield "replay: policy='lru '", "replacement", lambda: replay(trace, slots_per_layer=3, policy="lru ")
     yield "config: replacement=None", "replacement", lambda: OffloadConfig.preset("lru", replacement=None)
     yield "config: auto='yes'", "auto", lambda: OffloadConfig.preset("auto", auto="yes")

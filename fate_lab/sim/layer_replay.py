@@ -65,6 +65,18 @@ def replay_layer_pure(uses: list[list[int]], phases: list[int], policy: PolicySp
     return c
 
 
+def check_policy(policy) -> None:
+    """One clear error for a policy spec that is neither a registered name nor a factory ``capacity -> policy``."""
+    from fate_lab.policy.registry import POLICIES
+
+    if isinstance(policy, str):
+        if policy.lower() not in POLICIES:
+            raise ValueError(f"unknown replacement policy {policy!r}; choose one of {sorted(POLICIES)}")
+    elif not callable(policy):
+        raise TypeError(f"policy={policy!r}: give a name, one of {sorted(POLICIES)}, or a factory "
+                        "capacity -> ReplacementPolicy")
+
+
 def make_policy(policy: PolicySpec, capacity: int, uses: list[list[int]], policy_kw: dict) -> ReplacementPolicy:
     if isinstance(policy, str):
         if policy.lower() == "belady":

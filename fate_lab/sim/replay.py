@@ -44,6 +44,7 @@ from fate_lab.sim.fast_replay import PredictedSets, fast_supported
 from fate_lab.sim.layer_replay import (
     LayerStats,
     PolicySpec,
+    check_policy,
     fast_layers,
     make_policy,
     replay_layer,
@@ -187,6 +188,8 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
     reproduce (default: the trace's, with its logit biases). ``fast``: the compiled replay where it covers the
     policy (same counts; False: the pure cache).
     """
+    if policy is not None:
+        check_policy(policy)
     uses, preds, phases, L, k, trace, ex = _prepare(experts, predictions, phase)
     unit = expert_bytes if expert_bytes is not None else 1 if shape is None else shape.nbytes(None)
     config = _replay_config(config, L, slots_per_layer, policy, prefetch_buffer, admit_prefetch)
@@ -281,6 +284,7 @@ def sweep(experts, *, boundaries: Sequence[int], budgets: Sequence[int], num_exp
     ``joblib.parallel_backend("ray")``), or in ``n_jobs`` threads of the compiled replay (``fast``).
     """
     _check_admit(admit_prefetch)
+    check_policy(policy)
     uses, preds, phases, L, top_k, _, ex = _prepare(experts, predictions, phase)
     kw = policy_kw or {}
     pairs = sorted({(l, s) for b in boundaries for budget in budgets
@@ -327,6 +331,7 @@ def miss_curves(experts, num_experts: int, *, policy: PolicySpec = "lru", predic
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r}: give the experts per layer, an int >= 1")
     _check_admit(admit_prefetch)
+    check_policy(policy)
     uses, preds, phases, L, k, _, ex = _prepare(experts, predictions, None)
     top = int(ex.max()) if ex.numel() else -1
     if top >= num_experts:

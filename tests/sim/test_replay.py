@@ -252,3 +252,13 @@ def test_the_replay_predicts_with_the_routers_bias_and_refuses_a_router_it_canno
         else:
             with pytest.raises(ValueError, match="router"):
                 replay(trace, cfg, shape=shape)
+
+
+@pytest.mark.parametrize("call", ["replay", "sweep", "miss_curves"])
+def test_a_policy_that_is_neither_a_name_nor_a_factory_is_one_clear_error(call):
+    ex = torch.tensor([[[0, 1]], [[1, 2]], [[0, 2]]])  # 3 tokens x 1 layer x top-2
+    run = {"replay": lambda: replay(ex, slots_per_layer=2, policy=3),
+           "sweep": lambda: sweep(ex, boundaries=[0], budgets=[2], num_experts=3, policy=3),
+           "miss_curves": lambda: miss_curves(ex, 3, policy=3)}[call]
+    with pytest.raises(TypeError, match=r"policy=3: give a name, one of \[.*'lru'.*\], or a factory"):
+        run()
