@@ -36,15 +36,15 @@ class ExpertsCall:
         self.idx_host = top_k_index.detach().to("cpu")  # (T, K)
         self.flat = self.idx_host.reshape(-1).tolist()  # (T*K,) expert per (token, k) position
         E = self.layout.num_experts
-        if any(not 0 <= e < E for e in self.flat):
+        if min(self.flat) < 0 or max(self.flat) >= E:
             bad = next(e for e in self.flat if not 0 <= e < E)
             raise NotImplementedError(f"{rt.adapter.family}: the router of MoE layer {m} passed expert id {bad} to "
                                       f"its experts ({E} experts); fate_lab does not serve routers that mark "
                                       "skipped slots with out-of-range ids")
         self.idx, self.w = top_k_index, top_k_weights
-        self.flat_w = top_k_weights.reshape(-1)  # (T*K,)
         acc = self.layout.accumulate
         self.acc_dtype = top_k_weights.dtype if acc == "weights" else _ACCUMULATE.get(acc, hidden_states.dtype)
+        self.fp32 = self.layout.compute_fp32
         self.outputs: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # e -> (token rows, weighted (n, H))
 
     def _rows(self, e: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -59,7 +59,7 @@ class ExpertsCall:
 
     def _weigh(self, e: int, tok: torch.Tensor | None, y: torch.Tensor, w: torch.Tensor) -> None:
         """Keep expert e's output y [n, H] times its routing weights w [n, 1], in the accumulation dtype."""
-        if self.layout.compute_fp32:
+        if self.fp32:
             w = w.float()
         self.outputs[e] = (tok, (y * w).to(self.acc_dtype))  # (n, H)
 
@@ -109,18 +109,28 @@ class ExpertsCall:
 
     def output(self, order: list[int]) -> torch.Tensor:
         """The layer's output [T, H]: the weighted outputs added expert by expert in id order (as the eager
-        forward adds them); renormalised over the experts kept when a lossy step dropped some (order lacks them)."""
-        out = torch.zeros(self.x.shape, dtype=self.acc_dtype, device=self.x.device)  # (T, H)
-        for e in sorted(self.outputs):
-            tok, y = self.outputs[e]
-            if tok is None:
-                out += y  # (1, H)
-            else:
-                out.index_add_(0, tok, y)  # (T, H)
-        kept_set = set(order)
-        if len(kept_set) < len(set(self.flat)):
-            kept = torch.tensor([e in kept_set for e in self.flat], device=self.flat_w.device)  # (T*K,)
-            w_all, w_kept = self.flat_w.sum(), (self.flat_w * kept).sum()
+        forward adds them); renormalised over the experts kept when a lossy step dropped some (order lacks them).
+        A decode call starts from its first expert's output instead of zeros (0 + y is y, so the sum is the
+        eager forward's, bit for bit)."""
+        outs = self.outputs
+        if self.T == 1 and outs and all(tok is None for tok, _ in outs.values()):
+            ids = sorted(outs)
+            out = outs[ids[0]][1]  # (1, H) fresh: made by `_weigh`, owned by this call
+            for e in ids[1:]:
+                out += outs[e][1]  # (1, H)
+        else:
+            out = torch.zeros(self.x.shape, dtype=self.acc_dtype, device=self.x.device)  # (T, H)
+            for e in sorted(outs):
+                tok, y = outs[e]
+                if tok is None:
+                    out += y  # (1, H)
+                else:
+                    out.index_add_(0, tok, y)  # (T, H)
+        if len(order) < len(set(self.flat)):  # a lossy step dropped experts: renormalise over the kept ones
+            kept_set = set(order)
+            flat_w = self.w.reshape(-1)  # (T*K,)
+            kept = torch.tensor([e in kept_set for e in self.flat], device=flat_w.device)  # (T*K,)
+            w_all, w_kept = flat_w.sum(), (flat_w * kept).sum()
             if w_kept > 0:
                 out = out * (w_all / w_kept)
         return out.to(self.x.dtype)

@@ -231,10 +231,16 @@ class Runtime:
             self._lock.release()
 
     # --- the experts call of MoE layer m ------------------------------------------------
-    @torch.no_grad()
     def layer_forward(self, m: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                       top_k_weights: torch.Tensor) -> torch.Tensor:
         """Offloaded experts of MoE layer m: hidden_states [T, H], top_k_index/weights [T, K] -> [T, H]."""
+        if torch.is_grad_enabled():  # generate() already runs without grad: no context to enter per layer then
+            with torch.no_grad():
+                return self._layer_forward(m, hidden_states, top_k_index, top_k_weights)
+        return self._layer_forward(m, hidden_states, top_k_index, top_k_weights)
+
+    def _layer_forward(self, m: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
         if self._closed:
             raise RuntimeError("this Runtime is closed; offload the model again to run it offloaded")
         t_call = time.perf_counter()
@@ -257,7 +263,7 @@ class Runtime:
                 self._owner = None
                 self._lock.release()
             raise
-        self.stats.layers[m][self.core.phase].compute_s += time.perf_counter() - t_call
+        self.core.stats.layers[m][self.core.phase].compute_s += time.perf_counter() - t_call
         return call.output(order)
 
     # --- public -------------------------------------------------------------------------

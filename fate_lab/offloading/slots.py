@@ -63,6 +63,8 @@ class FullSlots(DeviceSlots):
 
     def __init__(self, slots: Mapping[str, torch.Tensor]):
         self.slots = dict(slots)  # name -> (S, *shape)
+        n = next(iter(self.slots.values())).shape[0]
+        self._views: list[ExpertWeights | None] = [None] * n  # slot -> its views, made once (writes copy into them)
 
     @classmethod
     def empty(cls, n_slots: int, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
@@ -93,8 +95,11 @@ class FullSlots(DeviceSlots):
             self.slots[name][slot].copy_(t, non_blocking=non_blocking)  # (R, H), (H, I), biases
 
     def weights(self, slot: int, scratch: int = 0) -> ExpertWeights:
-        """The slot's tensors, used in place."""
-        return ExpertWeights(**{n: t[slot] for n, t in self.slots.items()})
+        """The slot's tensors, used in place (views made on first use and kept: `write` copies into them)."""
+        v = self._views[slot]
+        if v is None:
+            v = self._views[slot] = ExpertWeights(**{n: t[slot] for n, t in self.slots.items()})
+        return v
 
     def tensors(self) -> list[torch.Tensor]:
         """One tensor per expert tensor name."""
@@ -153,6 +158,7 @@ class PackedSlots(DeviceSlots):
         self.gate_up_scratch = torch.empty(n_scratch, *self.shapes["gate_up"], dtype=dtype, device=device)  # (n, R, H)
         self.down_scratch = torch.empty(n_scratch, *self.shapes["down"], dtype=dtype, device=device)  # (n, H, I)
         self.spec_of: list[QuantSpec | None] = [None] * n_slots
+        self._views: list[PackedExpert | ExpertWeights | None] = [None] * n_slots  # slot -> views at spec_of[slot]
 
     def _layout(self, spec: QuantSpec | None) -> dict:
         off, out = 0, {}
@@ -176,7 +182,14 @@ class PackedSlots(DeviceSlots):
         return self.pool[slot, off:off + n]  # (n,) uint8
 
     def view(self, slot: int) -> PackedExpert | ExpertWeights:
-        """The slot's contents as device tensors (views of the pool), at the precision it holds."""
+        """The slot's contents as device tensors (views of the pool), at the precision it holds; made once per
+        write of the slot (a write at another precision lays the slot out anew)."""
+        v = self._views[slot]
+        if v is None:
+            v = self._views[slot] = self._make_view(slot)
+        return v
+
+    def _make_view(self, slot: int) -> PackedExpert | ExpertWeights:
         spec = self.spec_of[slot]
         lay = self._layouts[spec]
         parts = {}
@@ -196,6 +209,8 @@ class PackedSlots(DeviceSlots):
         if spec not in self._layouts:
             raise ValueError(f"these packed slots hold {list(self._layouts)}, not {spec}")
         lay = self._layouts[spec]
+        if self.spec_of[slot] != spec:
+            self._views[slot] = None
         for name in self.shapes:
             t = getattr(src, name)
             if "w" in lay[name]:
