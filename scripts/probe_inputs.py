@@ -330,7 +330,7 @@ def policy_probes(tmp: Path):
         yield f"replay: policy={name!r} works", None, lambda n=name: replay(trace, slots_per_layer=3, policy=n)
         yield f"simulate: replacement={name!r} works", None, lambda n=name: simulate(
             trace, OffloadConfig.preset("lru", slots=6, replacement=n), hw, shape), *(
-            ("the lead (sim/: the simulator gives Belady no future)",) if name == "belady" else ())
+            ("Belady in the simulator (it gives Belady no future)",) if name == "belady" else ())
     yield "replay: policy='LRU' (any case) works", None, lambda: replay(trace, slots_per_layer=3, policy="LRU")
     yield "replay: policy=3", "policy", lambda: replay(trace, slots_per_layer=3, policy=3)
     yield "replay: policy='lru '", "replacement", lambda: replay(trace, slots_per_layer=3, policy="lru ")
@@ -400,25 +400,24 @@ def pending_probes(tmp: Path):
                                             "--budget", "8GiB")),
     ]
     for name, needle, argv in cases:
-        yield f"plan CLI: {name}", needle, _cli(*argv), "issue 30"
+        yield f"plan CLI: {name}", needle, _cli(*argv)
 
     def strict_json():
         out = _cli(*plan, "--budget", "8GiB", "--json")()
         json.loads(out, parse_constant=lambda c: (_ for _ in ()).throw(SilentAccept(f"--json wrote {c}")))
-    yield "plan CLI: --json is strict JSON (valid input)", None, strict_json, "issue 30"
+    yield "plan CLI: --json is strict JSON (valid input)", None, strict_json
 
     ex = torch.tensor([[[0, 1], [1, 2]], [[1, 2], [0, 2]]])  # 2 tokens, 2 layers, ids < 3
     yield "sweep: n_jobs=0", "n_jobs", lambda: sweep(
-        ex, boundaries=[0], budgets=[2], num_experts=3, n_jobs=0), "issue 34"
-    yield "miss_curves: n_jobs=0", "n_jobs", lambda: miss_curves(ex, 3, n_jobs=0), "issue 34"
-    yield "sweep: boundary 8 > 2 layers", "boundar", lambda: sweep(ex, boundaries=[8], budgets=[4], num_experts=3), \
-        "issue 34"
+        ex, boundaries=[0], budgets=[2], num_experts=3, n_jobs=0)
+    yield "miss_curves: n_jobs=0", "n_jobs", lambda: miss_curves(ex, 3, n_jobs=0)
+    yield "sweep: boundary 8 > 2 layers", "boundar", lambda: sweep(ex, boundaries=[8], budgets=[4], num_experts=3)
     yield "sweep: trace of 8 experts, num_experts=3", "num_experts", lambda: sweep(
-        from_routing_array(ex, num_experts=8), boundaries=[0], budgets=[2], num_experts=3), "issue 34"
+        from_routing_array(ex, num_experts=8), boundaries=[0], budgets=[2], num_experts=3)
     link, prof = LinkProfile("l", 1e9, 1e-5), ComputeProfile("p", 1e-3, 0.0, 1e-4, 0.0, 0.0, 0.0)
     yield "simulate: 64-expert shape, 32-expert trace", "experts", lambda: simulate(
         from_routing_array(torch.tensor([[[0, 1], [3, 9]]]), num_experts=32), OffloadConfig.preset("lru", slots=4),
-        Hardware(prof, link), ModelShape(2, 2, 64, 2, 8, 8, torch.float32, 0, 0)), "issue 34"
+        Hardware(prof, link), ModelShape(2, 2, 64, 2, 8, 8, torch.float32, 0, 0))
 
     def one_token_prompt_ttft():
         trace = from_routing_array(torch.tensor([[[0, 1]], [[1, 2]], [[2, 3]]]), num_experts=4,
@@ -427,7 +426,7 @@ def pending_probes(tmp: Path):
                          ModelShape(1, 1, 4, 2, 8, 8, torch.float32, 0, 0))
         if not math.isfinite(stats.ttft_s):
             raise SilentAccept(f"a 1-token prompt's TTFT is {stats.ttft_s}")
-    yield "simulate: 1-token prompt has a TTFT (valid input)", None, one_token_prompt_ttft, "a later issue"
+    yield "simulate: 1-token prompt has a TTFT (valid input)", None, one_token_prompt_ttft
 
 
 def _classify(needle: str | None, call) -> tuple[str, str]:

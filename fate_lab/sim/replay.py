@@ -285,7 +285,14 @@ def sweep(experts, *, boundaries: Sequence[int], budgets: Sequence[int], num_exp
     """
     _check_admit(admit_prefetch)
     check_policy(policy)
-    uses, preds, phases, L, top_k, _, ex = _prepare(experts, predictions, phase)
+    _check_n_jobs(n_jobs)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r}: give the experts per layer, an int >= 1")
+    uses, preds, phases, L, top_k, trace, ex = _prepare(experts, predictions, phase)
+    _check_experts(trace, ex, num_experts)
+    far = [b for b in boundaries if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= L]
+    if far:
+        raise ValueError(f"boundaries {far}: a shallow boundary is a layer count from 0 to the trace's {L} layers")
     kw = policy_kw or {}
     pairs = sorted({(l, s) for b in boundaries for budget in budgets
                     for l, s in enumerate(allocation(b).allocate(budget, L, num_experts))})
@@ -332,17 +339,33 @@ def miss_curves(experts, num_experts: int, *, policy: PolicySpec = "lru", predic
         raise ValueError(f"num_experts={num_experts!r}: give the experts per layer, an int >= 1")
     _check_admit(admit_prefetch)
     check_policy(policy)
-    uses, preds, phases, L, k, _, ex = _prepare(experts, predictions, None)
-    top = int(ex.max()) if ex.numel() else -1
-    if top >= num_experts:
-        raise ValueError(f"num_experts={num_experts} but the trace routes to expert {top}: give the trace's expert "
-                         f"count (at least {top + 1})")
+    _check_n_jobs(n_jobs)
+    uses, preds, phases, L, k, trace, ex = _prepare(experts, predictions, None)
+    _check_experts(trace, ex, num_experts)
     _bound(L * (num_experts + 1), max_replays, "miss_curves")
     kw = policy_kw or {}
     pairs = [(l, c) for l in range(L) for c in range(num_experts + 1)]
     res = run_layers(ex, uses, preds, phases, policy, kw, pairs, prefetch_buffer, k, admit_prefetch, n_jobs, fast)
     E1 = num_experts + 1
     return [[sum(r[p].uses - r[p].hits for p in PHASES) for r in res[l * E1:(l + 1) * E1]] for l in range(L)]
+
+
+def _check_n_jobs(n_jobs) -> None:
+    """n_jobs: workers (>= 1), or -1 for every core (joblib's convention)."""
+    if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or not (n_jobs >= 1 or n_jobs == -1):
+        raise ValueError(f"n_jobs={n_jobs!r}: give the number of workers (an int >= 1), or -1 for every core")
+
+
+def _check_experts(trace, ex: Tensor, num_experts: int) -> None:
+    """The num_experts a sweep or miss curves is given must be the trace's: its own count for a Trace, at least
+    the largest id + 1 for an array."""
+    if trace is not None and trace.num_experts != num_experts:
+        raise ValueError(f"num_experts={num_experts} but the trace is of a model with {trace.num_experts} experts "
+                         f"per layer: give num_experts={trace.num_experts}")
+    top = int(ex.max()) if ex.numel() else -1
+    if top >= num_experts:
+        raise ValueError(f"num_experts={num_experts} but the trace routes to expert {top}: give the trace's expert "
+                         f"count (at least {top + 1})")
 
 
 def _bound(n: int, limit: int, what: str) -> None:

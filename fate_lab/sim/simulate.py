@@ -282,10 +282,10 @@ def check_trace(trace: Trace, config: OffloadConfig, shape: ModelShape, router=N
     if trace.num_layers != shape.num_moe_layers or trace.top_k != shape.top_k:
         raise ValueError(f"the trace has {trace.num_layers} MoE layers x top-{trace.top_k}, the shape "
                          f"{shape.num_moe_layers} x top-{shape.top_k}")
-    if trace.num_experts > shape.num_experts:
-        raise ValueError(f"the trace routes to expert ids up to {trace.num_experts - 1}, the shape has "
-                         f"{shape.num_experts} experts per layer: simulate it with the shape of the model it was "
-                         "recorded on")
+    if trace.num_experts != shape.num_experts:
+        raise ValueError(f"the trace is of a model with {trace.num_experts} experts per layer (ids up to "
+                         f"{trace.num_experts - 1}), the shape has {shape.num_experts}: simulate it with the shape of "
+                         "the model it was recorded on (a routing array: from_routing_array(..., num_experts=E))")
     if config.lossy in ("drop", "substitute") and trace.weights is None:
         raise ValueError(f"lossy={config.lossy!r} reads the top-k gate weights: simulate a trace that has them "
                          "(record_trace keeps them)")

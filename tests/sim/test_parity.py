@@ -214,7 +214,9 @@ def test_check_trace_refuses_a_trace_of_another_shape():
     from fate_lab.model.trace import from_routing_array
 
     tr = from_routing_array(torch.tensor([[[0, 15], [2, 3]]] * 5), num_experts=16)  # distinct ids per row
-    with pytest.raises(ValueError, match="expert ids up to 15.*8 experts"):
+    with pytest.raises(ValueError, match=r"16 experts per layer \(ids up to 15\), the shape has 8"):
         check_trace(tr, OffloadConfig.preset("lru", slots=4), ModelShape(2, 2, 8, 2, 8, 8, torch.float32, 0, 0))
+    with pytest.raises(ValueError, match=r"16 experts per layer \(ids up to 15\), the shape has 64"):  # too many
+        check_trace(tr, OffloadConfig.preset("lru", slots=4), ModelShape(2, 2, 64, 2, 8, 8, torch.float32, 0, 0))
     with pytest.raises(ValueError, match="2 MoE layers x top-2, the shape 3 x top-2"):
         check_trace(tr, OffloadConfig.preset("lru", slots=4), ModelShape(3, 3, 16, 2, 8, 8, torch.float32, 0, 0))
