@@ -52,3 +52,18 @@ def test_a_deeper_queue_overlaps_the_latencies_but_not_the_bytes():
     assert _ends(8, 4) == pytest.approx([2e-3, 3e-3, 4e-3, 5e-3])
     link = LinkProfile("hand", BW, LAT, queue_depth=2)  # the profile's streaming rate agrees: 2 x 1000 B / 2 ms
     assert link.stream_bandwidth(1000) == pytest.approx(1e6)
+
+
+def test_an_experts_checkpoint_bytes_match_its_shape_by_hand():
+    import json
+
+    from fate_lab.paths import model_dir
+    from fate_lab.study.whatif import checkpoint_expert_bytes
+
+    for name in ("tiny_moe", "tiny_deepseek"):
+        file = model_dir(name) / "model.safetensors"
+        if not file.is_file():
+            pytest.skip(f"embedded model data/{name} not present")
+        cfg = json.loads((model_dir(name) / "config.json").read_text())
+        width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        assert checkpoint_expert_bytes(file) == 3 * cfg["hidden_size"] * width * 2  # gate, up, down in bfloat16
