@@ -104,7 +104,8 @@ def _run(args, argv) -> str:
                   f"+{c.link_extra_s * 1e3:.3f} ms, per landed transfer +{c.landed_s * 1e3:.3f} ms, busy x"
                   f"{c.busy_factor:.2f}.", "",
                   "| cached | preset | measured tok/s | predicted tok/s | pred/meas | measured TTFT ms | "
-                  "predicted TTFT ms | pred/meas TTFT | hit | disk bound kept |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "predicted TTFT ms | pred/meas TTFT | hit | disk bound kept |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         cfgs = {(share, p): OffloadConfig.preset(p, link="disk", store="ssd", checkpoint=str(model_dir(name)),
                                                  slots=int(total * share), layer_compute_s=layer_s)
                 for share in shares for p in presets}

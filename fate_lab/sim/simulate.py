@@ -86,8 +86,10 @@ class SimLink:
         i = min(range(len(self.entries)), key=self.entries.__getitem__)
         x.start = max(self.entries[i], x.submit_t)
         t = self._time(x.nbytes)
-        wire = 0.0 if self.link is None else x.nbytes / self.link.bandwidth
-        x.end = max(x.start + t, self.wire_free + wire)  # its latency, then its bytes once the wire is free
+        # its bytes, and the overshoot the compute profile measured (on a CPU: the reader's own conversion, digest
+        # and copy, which take turns on the cores as the bytes do on the wire), follow its latency once the wire is free
+        wire = 0.0 if self.link is None else x.nbytes / self.link.bandwidth + self.compute.link_extra_s
+        x.end = max(x.start + t, self.wire_free + wire)
         self.entries[i] = self.wire_free = x.end
         self.free_at = max(self.free_at, x.end)
         self.ctx.event("demand" if x.urgent else "prefetch", x.m, x.e, x.start, x.end)
