@@ -131,6 +131,20 @@ def _cmd_check_notebooks(args: argparse.Namespace) -> None:
     print("notebooks are clean")
 
 
+def _cmd_calibrate_disk(args: argparse.Namespace) -> None:
+    from fate_lab.fit.disk import calibrate_disk
+    from fate_lab.paths import model_dir
+
+    path = Path(args.path) if args.path else model_dir(None) / "model.safetensors"
+    profile, samples = calibrate_disk(path, read_bytes=args.read_kib << 10)
+    print(f"O_DIRECT random reads of {path} (page cache bypassed):")
+    print(f"{'read':>8} {'queue':>5} {'ms/read':>8} {'GB/s':>6}")
+    for s in samples:
+        print(f"{s.size >> 10:>6}Ki {s.queue_depth:>5} {s.seconds / s.reads * 1e3:>8.3f} {s.throughput / 1e9:>6.2f}")
+    print(f"LinkProfile({profile.name!r}, bandwidth={profile.bandwidth / 1e9:.3g}e9, latency={profile.latency:.3g}, "
+          f"queue_depth={profile.queue_depth})")
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, with a bad flag reported in one line (no usage block) and a non-zero exit."""
 
@@ -204,6 +218,12 @@ def main(argv: list[str] | None = None) -> None:
     from fate_lab.study.plan_cli import add_plan_parser
 
     add_plan_parser(sub)
+    cd = sub.add_parser("calibrate-disk", help="measure this machine's disk with O_DIRECT reads and print it as a "
+                        "link profile (latency, bandwidth, queue depth)")
+    cd.add_argument("path", nargs="?", default=None, help="a file on the disk to read (default: the default "
+                    "embedded model's model.safetensors)")
+    cd.add_argument("--read-kib", type=int, default=384, help="the read size (KiB) whose best queue depth is kept")
+    cd.set_defaults(func=_cmd_calibrate_disk)
     c = sub.add_parser("check-notebooks", help="fail if a notebook keeps outputs or widget state")
     c.add_argument("folder", nargs="?", default="notebooks", help="folder of the notebooks to check")
     c.set_defaults(func=_cmd_check_notebooks)

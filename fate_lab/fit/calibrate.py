@@ -79,8 +79,9 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     cold = landed = extra = wake = queued = 0.0
     busy = 1.0
     if link is not None:  # the same machine while an emulated link copies on the other core
+        disk = {"store": "ssd", "checkpoint": model.name_or_path} if link == "disk" else {}  # real reads
         cfg = OffloadConfig.preset("fate", link=link, layer_compute_s=layer_compute_s, quant=quant,
-                                   slots=M * rt.num_experts // 4)
+                                   slots=M * rt.num_experts // 4, **disk)
         with offload(model, cfg) as rt2:
             model.generate(prompt_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
             rt2.reset_stats()

@@ -80,6 +80,11 @@ LINK_PROFILES: dict[str, LinkProfile] = {
     # (bandwidthTest), 0.62 of PCIe 3.0 x16, which mixtral-offloading's naive T4 row implies too; Gen4 likewise
     "pcie3_x16_cloud": LinkProfile("PCIe 3.0 x16 (cloud VM)", 9.7 * GB, 10e-6, "bandwidthTest on a cloud T4"),
     "pcie4_x16_cloud": LinkProfile("PCIe 4.0 x16 (cloud VM)", 19.5 * GB, 10e-6, "31.5 GB/s x 0.62 (as the cloud T4)"),
+    # This machine's disk as a link (link="disk": the runtime really reads each expert with O_DIRECT; this profile
+    # only sizes its reader queue and prefetch budget): `python -m fate_lab calibrate-disk` on 2026-12-04, random
+    # 64 KiB-4 MiB reads of data/tiny_moe's file: ~2.2 GB/s for 1 MiB+ reads, ~0.12 ms fixed per read, 2 in flight
+    "disk": LinkProfile("this machine's disk (O_DIRECT)", 2.2 * GB, 120e-6, "calibrate-disk on this machine",
+                        queue_depth=2),
     # For correctness tests: a link so fast it never dominates, yet still asynchronous.
     "test_fast": LinkProfile("test link (100 GB/s)", 100.0 * GB, 0.0, "tests only"),
 }

@@ -213,7 +213,7 @@ class ExpertIndex:
                 f" (and {len(self.refusals) - 3} more)" if len(self.refusals) > 3 else "")
         return None
 
-    def _tensor(self, m: int, e: int, name: str) -> torch.Tensor:
+    def _tensor(self, m: int, e: int, name: str, load=_load) -> torch.Tensor:
         """Expert e's part of the model tensor `name` of MoE layer m, in the module's own layout."""
         src = self._experts.get((m, name))
         if src is None:
@@ -221,15 +221,17 @@ class ExpertIndex:
                            "checkpoint?")
         if src.converter is None:
             (file, key), = src.whole.values()
-            return _load(file, key, e)[0]
-        collected = {pat: [_load(*src.per_expert[e][pat])] if pat in src.per_expert.get(e, {}) else _load(*src.whole[pat], e)
+            return load(file, key, e)[0]
+        collected = {pat: [load(*src.per_expert[e][pat])] if pat in src.per_expert.get(e, {}) else load(*src.whole[pat], e)
                      for pat in src.converter.source_patterns if pat in src.whole or pat in src.per_expert.get(e, {})}
         out = _run_ops(src.converter, collected, src.target, self.model)
         (tensor,) = out.values()
         return tensor[0]  # the stack of one expert
 
-    def read(self, m: int, e: int) -> ExpertWeights:
-        """Expert e of MoE layer m from disk, canonical and in the model's dtype; only its bytes are read."""
+    def read(self, m: int, e: int, load=_load) -> ExpertWeights:
+        """Expert e of MoE layer m from disk, canonical and in the model's dtype; only its bytes are read.
+        load(file, key, e | None) -> tensor: how a checkpoint tensor (or expert e's slice, a stack of one) is read
+        (default: safetensors' own reader; the disk link passes one that reads with O_DIRECT)."""
         reason = self.refusal()
         if reason is not None:
             raise NotImplementedError(reason)
@@ -237,7 +239,7 @@ class ExpertIndex:
         if not 0 <= e < layout.num_experts:
             raise IndexError(f"expert {e} out of range: MoE layer {m} holds {layout.num_experts} experts")
         names = [layout.up_name, "down_proj"] + ([f"{layout.up_name}_bias", "down_proj_bias"] if layout.has_bias else [])
-        t = {n: self._tensor(m, e, n).to(self._dtypes[m][n]) for n in names}
+        t = {n: self._tensor(m, e, n, load).to(self._dtypes[m][n]) for n in names}
         up, down = t[layout.up_name], t["down_proj"]
         if layout.is_transposed:
             up, down = up.T, down.T  # (R, H), (H, I)

@@ -15,6 +15,7 @@ from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.setups import is_scaled
 from fate_lab.model.adapters import MoEAdapter
 from fate_lab.model.checkpoint import ExpertIndex
+from fate_lab.offloading.disk import DiskLink, DiskStore
 from fate_lab.offloading.slots import DeviceSlots, FullSlots, PackedSlots
 from fate_lab.offloading.store import HostStore, QuantizedStore, RamStore, SafetensorsStore
 from fate_lab.offloading.transfer import CudaCopyEngine, EmulatedLink, InstantLink, TransferEngine
@@ -33,7 +34,8 @@ def build_store(core: DriverCore, adapter: MoEAdapter, device: torch.device, ind
     else:
         if cfg.checkpoint is None and index is None:
             raise ValueError("OffloadConfig(store='ssd') needs checkpoint=<safetensors file or folder of the model>")
-        base = SafetensorsStore.open(adapter, cfg.checkpoint if index is None else index.folder, index=index)
+        tier = DiskStore if cfg.link == "disk" else SafetensorsStore  # the disk link reads with O_DIRECT
+        base = tier.open(adapter, cfg.checkpoint if index is None else index.folder, index=index)
     if core.quant is None:
         return base
     return QuantizedStore(base, [core.quant.host_specs(m) for m in range(adapter.num_moe_layers)], pin=pin)
@@ -55,6 +57,8 @@ def build_engine(store: HostStore, slots: DeviceSlots, link: LinkProfile | None,
     """The link engine: instant (link None), the CUDA copy stream (native on CUDA), or an emulated link."""
     if link is None:
         return InstantLink(store, slots)
+    if store.tier == "disk":  # link="disk": real reads, queue_depth reader threads
+        return DiskLink(store, slots, link, timeout_s=timeout_s)
     if device.type == "cuda" and native:
         return CudaCopyEngine(store, slots)
     return EmulatedLink(store, slots, link, timeout_s=timeout_s)
@@ -63,6 +67,9 @@ def build_engine(store: HostStore, slots: DeviceSlots, link: LinkProfile | None,
 def check_setup(config, family: str, device: torch.device, experts_in_memory: bool) -> None:
     """Refuse, before anything is taken, what this model and device cannot run (named, with what to do)."""
     fam = family
+    if config.link == "disk" and config.store != "ssd":
+        raise ValueError(f"{fam}: link='disk' reads experts from the checkpoint's files: set store='ssd' (and "
+                         "checkpoint=<the folder the model was loaded from>)")
     if config.store == "ssd" and experts_in_memory and device.type != "cpu":
         raise ValueError(f"{fam}: store='ssd' with the model's experts in {device.type} memory: close() could "
                          "give them back only by reading the checkpoint again, which may have changed or vanished "

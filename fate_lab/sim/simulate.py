@@ -64,13 +64,17 @@ class _SimTransfer:
 
 
 class SimLink:
-    """The link as a discrete-event model: one queue, urgent first, busy latency + bytes / bandwidth."""
+    """The link as a discrete-event model: one queue, urgent first, `queue_depth` transfers in flight. Each holds
+    its queue entry for latency + bytes / bandwidth; the latencies of entries in flight overlap, their bytes take
+    turns on the one wire (`LinkProfile.stream_bandwidth`'s model). Depth 1: busy latency + bytes / bandwidth."""
 
     def __init__(self, ctx: LinkContext, clock: SimClock, link: LinkProfile | None, compute: ComputeProfile,
                  shape: ModelShape):
         self.ctx, self.clock, self.link, self.compute, self.shape = ctx, clock, link, compute, shape
         self.queue: list[_SimTransfer] = []  # not started, urgent ones first
-        self.free_at = 0.0
+        self.free_at = 0.0  # when the last started transfer ends
+        self.entries = [0.0] * (1 if link is None else link.queue_depth)  # when each queue entry is free
+        self.wire_free = 0.0  # when the bytes of the transfers started so far have all moved
         self.fresh: set[tuple[int, int]] = set()  # (layer, expert) whose bytes landed since it last computed
         self.evicting = 0.0  # landed_s owed by the next dense layer (`Simulator._dense`)
 
@@ -79,14 +83,20 @@ class SimLink:
 
     def _start_next(self) -> None:
         x = self.queue.pop(0)
-        x.start = max(self.free_at, x.submit_t)
-        x.end = x.start + self._time(x.nbytes)
-        self.free_at = x.end
+        i = min(range(len(self.entries)), key=self.entries.__getitem__)
+        x.start = max(self.entries[i], x.submit_t)
+        t = self._time(x.nbytes)
+        # its bytes, and the overshoot the compute profile measured (on a CPU: the reader's own conversion, digest
+        # and copy, which take turns on the cores as the bytes do on the wire), follow its latency once the wire is free
+        wire = 0.0 if self.link is None else x.nbytes / self.link.bandwidth + self.compute.link_extra_s
+        x.end = max(x.start + t, self.wire_free + wire)
+        self.entries[i] = self.wire_free = x.end
+        self.free_at = max(self.free_at, x.end)
         self.ctx.event("demand" if x.urgent else "prefetch", x.m, x.e, x.start, x.end)
 
     def _advance(self) -> None:
         """Start every queued transfer the link reaches by the compute thread's now."""
-        while self.queue and self.free_at <= self.clock.now:
+        while self.queue and min(self.entries) <= self.clock.now:
             self._start_next()
 
     def _record(self, x: _SimTransfer) -> None:
@@ -147,7 +157,8 @@ class SimLink:
     def backlog_s(self) -> float:
         """Link time committed beyond now."""
         self._advance()
-        return max(0.0, self.free_at - self.clock.now) + sum(self._time(x.nbytes) for x in self.queue)
+        running = sum(max(0.0, t - self.clock.now) for t in self.entries)
+        return (running + sum(self._time(x.nbytes) for x in self.queue)) / len(self.entries)
 
     def capacity(self, m: int) -> int | None:
         """Prefetches the link can start before layer m's call (the runtime's rule, simulated estimates)."""

@@ -23,13 +23,30 @@ from fate_lab.core.shape import ModelShape
 from fate_lab.fit.calibrate import calibrate_compute
 from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.setups import Hardware, run_hardware
+from fate_lab.model.adapters import adapt
 from fate_lab.sim.simulate import simulate
+
+def checkpoint_expert_bytes(file) -> float:
+    """Bytes of one routed expert in a safetensors file (every `.experts.` tensor over the experts they hold)."""
+    import re
+
+    from fate_lab.offloading.disk import safetensors_header
+
+    _, header = safetensors_header(file)
+    keys = [k for k in header if re.search(r"\.experts\.", k)]
+    kinds = {re.sub(r"\.experts\.\d+\.", ".experts.", re.sub(r"layers\.\d+\.", "layers.", k)) for k in keys}
+    experts = len(keys) / len(kinds) if kinds else 0  # (layer, expert) pairs
+    if not experts:
+        raise ValueError(f"{file}: no per-expert '.experts.<e>.' tensors to size the disk reads by")
+    return sum(header[k]["data_offsets"][1] - header[k]["data_offsets"][0] for k in keys) / experts
+
 
 _calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {link: (Hardware, layer_s)}
 
 
 def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -> tuple[Hardware, float]:
-    """(Hardware, layer seconds) of this machine running `model` with the emulated `link`: the run's one clock
+    """(Hardware, layer seconds) of this machine running `model` with the emulated `link` (or "disk": this
+    machine's disk, measured now with O_DIRECT reads of the model's checkpoint): the run's one clock
     (`clock.machine_clock`, threads pinned) scales the runtime's link and the simulator's alike; the compute
     profile is calibrated once per (model, link) in this process, threads pinned too."""
     from tqdm.auto import tqdm
@@ -46,7 +63,20 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -
             with pinned():
                 compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s)
             bar.update()
-        per_model[link] = (dataclasses.replace(run_hardware(link, layer_s), compute=compute), layer_s)
+        hw = dataclasses.replace(run_hardware(link, layer_s), compute=compute)
+        if link == "disk":  # this disk measured now, with the runtime's reader count (`fit/disk.py`)
+            from pathlib import Path
+
+            from fate_lab.fit.disk import calibrate_disk
+
+            file = Path(model.name_or_path) / "model.safetensors"
+            measured, _ = calibrate_disk(file)
+            # the simulator counts an expert's bytes in the model's dtype, the disk reads the checkpoint's: the
+            # bandwidth is restated per model byte (x2 for a bfloat16 checkpoint run in float32)
+            scale = ModelShape.from_adapter(adapt(model)).nbytes() / checkpoint_expert_bytes(file)
+            hw = dataclasses.replace(hw, link=dataclasses.replace(
+                measured, bandwidth=measured.bandwidth * scale, queue_depth=hw.link.queue_depth))
+        per_model[link] = (hw, layer_s)
     return per_model[link]
 
 

@@ -1,0 +1,146 @@
+"""The simulator against a physical link: experts read from this machine's disk (link="disk"), predicted vs measured.
+
+For each model, cache share and preset, runs the real offloaded runtime with `link="disk"` (every transfer an
+O_DIRECT read of the checkpoint, so no row is served by the page cache; each row offloads anew, so its slots
+start empty) and `fate_lab.simulate` on a trace of the same prompts, with this machine's Hardware from
+`machine_hardware(model, tok, link="disk")` (compute calibrated from the runtime over the disk, the disk
+measured with O_DIRECT reads). Repeats are interleaved (every row once, then again); the table gives the median
+and the spread (min-max) of the measured figures. Each run is checked against the disk's bound: it cannot take
+less time than the checkpoint bytes it read at the best O_DIRECT bandwidth measured.
+
+    python -m benchmarks.bench_disk --fast        # tiny_moe; lru, fate, load_on_demand; 25% cached; 3 repeats
+    python -m benchmarks.bench_disk --out benchmarks/results/disk_$(date +%F).md
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+from fate_lab.core.config import OffloadConfig
+from fate_lab.core.shape import ModelShape
+from fate_lab.model.adapters import adapt
+from fate_lab.model.record import record_trace
+from fate_lab.offloading.runtime import offload
+from fate_lab.sim.simulate import simulate
+from fate_lab.study.whatif import checkpoint_expert_bytes, machine_hardware
+
+from .report import emit
+
+PRESETS = ["load_on_demand", "lru", "mixtral_offloading", "activation_path", "eap", "fate_v1", "fate"]
+FAST_PRESETS = ["load_on_demand", "lru", "fate"]
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], new_tokens: int) -> None:
+    """Prefill + new_tokens - 1 greedy decode forwards (what record_trace records)."""
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    for _ in range(new_tokens - 1):
+        out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=out.cache, use_cache=True)
+
+
+def run_runtime(model, prompts, cfg, new_tokens, disk_bytes: float, bandwidth: float) -> dict:
+    """One cold run: decode tok/s, TTFT, and the disk bound (seconds the bytes read need at `bandwidth`)."""
+    with offload(model, cfg) as rt:
+        for p in prompts:
+            greedy(model, p, new_tokens)
+        st = rt.stats
+        dec, pre = st.forward_s["decode"], st.forward_s["prefill"]
+        reads = (st.total("prefill").bytes_moved + st.total("decode").bytes_moved) / rt.expert_bytes
+    return {"tok_s": len(dec) / sum(dec), "ttft_ms": 1e3 * pre[0], "wall_s": sum(dec) + sum(pre),
+            "bound_s": reads * disk_bytes / bandwidth, "hit": st.summary()["decode"]["hit_rate"]}
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fast", action="store_true", help="one model, three presets, 25%% cached")
+    ap.add_argument("--models", nargs="*", default=None, help="embedded models (default: both; --fast: tiny_moe)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every row (default %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=24, help="tokens generated per prompt (default %(default)s)")
+    ap.add_argument("--prompts", type=int, default=2, help="held-out prompts per row (default %(default)s)")
+    ap.add_argument("--out", default=None, help="also write the table to this markdown file")
+    args = ap.parse_args(argv)
+    from fate_lab.study.clock import pinned
+
+    torch.manual_seed(0)
+    with pinned():
+        return _run(args, argv)
+
+
+def _run(args, argv) -> str:
+    from fate_lab.model.corpus import heldout_prompts
+    from fate_lab.model.models import load_model
+    from fate_lab.paths import model_dir
+
+    models = args.models or (["tiny_moe"] if args.fast else ["tiny_moe", "tiny_deepseek"])
+    presets = FAST_PRESETS if args.fast else PRESETS
+    shares = (0.25,) if args.fast else (0.1, 0.25, 0.5)
+    t0 = time.time()
+    with open("/proc/loadavg") as f:
+        load0 = f.read().split()[:3]
+    lines = [f"# Experts from this machine's disk: simulator vs runtime ({time.strftime('%Y-%m-%d')})", "",
+             f"`python -m benchmarks.bench_disk {shlex.join(argv or sys.argv[1:])}`", "",
+             f"Machine load (1/5/15 min) at start: {' '.join(load0)}. {args.prompts} held-out prompts x "
+             f"{args.new_tokens} tokens per run; {args.repeats} interleaved repeats; measured: median [min-max].", ""]
+    rows: list[tuple] = []
+    for name in models:
+        model, tok = load_model(name)
+        a = adapt(model)
+        hw, layer_s = machine_hardware(model, tok, link="disk")
+        c, link = hw.compute, hw.link
+        disk_bytes = checkpoint_expert_bytes(model_dir(name) / "model.safetensors")
+        raw_bw = link.bandwidth * disk_bytes / ModelShape.from_adapter(a).nbytes()  # back to checkpoint bytes/s
+        prompts = [tok(t)["input_ids"][:24] for t in heldout_prompts(args.prompts)]
+        trace = record_trace(model, tok, prompts, decode_tokens=args.new_tokens - 1, progress=False)
+        shape = ModelShape.from_adapter(a)
+        total = a.num_moe_layers * a.num_experts
+        lines += [f"## {name}", "", f"Disk (measured now): {raw_bw / 1e9:.2f} GB/s, {link.latency * 1e3:.3f} ms per "
+                  f"read, {link.queue_depth} reader threads; layer {layer_s * 1e3:.3f} ms; link overshoot "
+                  f"+{c.link_extra_s * 1e3:.3f} ms, per landed transfer +{c.landed_s * 1e3:.3f} ms, busy x"
+                  f"{c.busy_factor:.2f}.", "",
+                  "| cached | preset | measured tok/s | predicted tok/s | pred/meas | measured TTFT ms | "
+                  "predicted TTFT ms | pred/meas TTFT | hit | disk bound kept |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        cfgs = {(share, p): OffloadConfig.preset(p, link="disk", store="ssd", checkpoint=str(model_dir(name)),
+                                                 slots=int(total * share), layer_compute_s=layer_s)
+                for share in shares for p in presets}
+        with offload(model, next(iter(cfgs.values()))):
+            greedy(model, prompts[0][:8], 4)  # warm-up: the first forwards allocate
+        runs: dict = {k: [] for k in cfgs}
+        for _ in range(args.repeats):  # interleaved: every row once, then again
+            for k, cfg in cfgs.items():
+                runs[k].append(run_runtime(model, prompts, cfg, args.new_tokens, disk_bytes, raw_bw))
+        for (share, p), cfg in cfgs.items():
+            sim = simulate(trace, dataclasses.replace(cfg), hw, shape)
+            r = runs[share, p]
+            tok_s = [x["tok_s"] for x in r]
+            ttft = [x["ttft_ms"] for x in r]
+            mt, mf = statistics.median(tok_s), statistics.median(ttft)
+            st_ttft = 1e3 * sim.forward_s["prefill"][0]
+            kept = all(x["wall_s"] >= x["bound_s"] for x in r)
+            rows.append((sim.decode_tok_s / mt, st_ttft / mf, kept))
+            lines.append(f"| {share:.0%} | {p} | {mt:.1f} [{min(tok_s):.1f}-{max(tok_s):.1f}] | "
+                         f"{sim.decode_tok_s:.1f} | {sim.decode_tok_s / mt:.2f} | {mf:.1f} [{min(ttft):.1f}-"
+                         f"{max(ttft):.1f}] | {st_ttft:.1f} | {st_ttft / mf:.2f} | "
+                         f"{statistics.median(x['hit'] for x in r):.3f} | {'yes' if kept else 'NO'} |")
+            print(lines[-1], flush=True)
+        lines.append("")
+    dec = [d for d, _, _ in rows]
+    ttf = [t for _, t, _ in rows]
+    with open("/proc/loadavg") as f:
+        load1 = f.read().split()[:3]
+    lines += [f"Predicted / measured over {len(rows)} rows: decode {min(dec):.2f}-{max(dec):.2f}x "
+              f"({sum(abs(d - 1) <= 0.10 for d in dec)} within 10%), TTFT {min(ttf):.2f}-{max(ttf):.2f}x "
+              f"({sum(abs(t - 1) <= 0.10 for t in ttf)} within 10%). Disk bound kept in "
+              f"{sum(k for _, _, k in rows)} of {len(rows)} rows.", "",
+              f"Machine load at the end: {' '.join(load1)}. Wall time {time.time() - t0:.0f} s."]
+    return emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()

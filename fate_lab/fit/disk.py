@@ -1,0 +1,111 @@
+"""Calibrating this machine's disk as a link: O_DIRECT random reads at several sizes and queue depths.
+
+What this file is: `measure_disk(path)` times random, aligned O_DIRECT reads of a file (the page cache
+bypassed, `offloading/direct.py`) for each read size and queue depth (that many threads reading at once),
+and `fit_disk(samples)` fits `hardware.links.LinkProfile`'s model to them by least squares: at queue depth 1
+a read takes latency + bytes / bandwidth; deeper queues overlap the latencies, not the bandwidth
+(`LinkProfile.stream_bandwidth`). `calibrate_disk(path)` does both and picks the queue depth that reads an
+expert-sized block fastest. `python -m fate_lab calibrate-disk [PATH]` prints the result.
+What it is not: a benchmark of the runtime (`benchmarks/bench_disk.py` is), and no reading through the page
+cache: a file system that refuses O_DIRECT is an error, not a fallback.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fate_lab.hardware.links import LinkProfile
+from fate_lab.offloading.direct import ALIGN, aligned_buffer, open_direct
+
+SIZES = (64 << 10, 192 << 10, 384 << 10, 1 << 20, 4 << 20)  # bytes per read: around the embedded experts' sizes
+QUEUE_DEPTHS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class DiskSample:
+    """Reads of `size` bytes at `queue_depth` in flight: how many, and the wall seconds they took."""
+
+    size: int
+    queue_depth: int
+    reads: int
+    seconds: float
+
+    @property
+    def throughput(self) -> float:
+        """Bytes/s over the whole sample."""
+        return self.size * self.reads / self.seconds
+
+
+def measure_disk(path: str | Path, sizes=SIZES, queue_depths=QUEUE_DEPTHS, budget_bytes: int = 48 << 20,
+                 seed: int = 0) -> list[DiskSample]:
+    """Random aligned O_DIRECT reads of path: for each size and queue depth, about budget_bytes in all."""
+    path = Path(path)
+    length = path.stat().st_size
+    if length < max(sizes) + ALIGN:
+        raise ValueError(f"{path}: {length} bytes; calibrating needs a file of at least {max(sizes) + ALIGN} bytes")
+    rng = random.Random(seed)
+    out = []
+    for size in sizes:
+        for qd in queue_depths:
+            reads = max(8 * qd, budget_bytes // size)
+            offsets = [rng.randrange(0, (length - size) // ALIGN) * ALIGN for _ in range(reads)]
+            out.append(DiskSample(size, qd, reads, _timed_reads(path, size, offsets, qd)))
+    return out
+
+
+def _timed_reads(path: Path, size: int, offsets: list[int], qd: int) -> float:
+    """Wall seconds for qd threads to read every offset (size bytes each) with O_DIRECT."""
+    chunks = [offsets[i::qd] for i in range(qd)]
+    bufs = [aligned_buffer(size) for _ in range(qd)]
+    errors: list[BaseException] = []
+
+    def reader(i: int) -> None:
+        fd = open_direct(path)
+        try:
+            view = memoryview(bufs[i])[:size]
+            for off in chunks[i]:
+                os.preadv(fd, [view], off)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(qd)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
+
+def fit_disk(samples: list[DiskSample], read_bytes: int, name: str = "disk") -> LinkProfile:
+    """The LinkProfile these samples fit. Bandwidth: the best throughput of reads of 1 MiB or more at any queue
+    depth (where latency no longer matters); latency: the least-squares fixed time per read at queue depth 1
+    given that bandwidth (the mean of seconds per read minus bytes / bandwidth); queue depth: the one that
+    streams read_bytes-sized reads fastest (measured)."""
+    one = [s for s in samples if s.queue_depth == 1]
+    big = [s for s in samples if s.size >= 1 << 20]
+    if not one or not big:
+        raise ValueError("fitting needs queue-depth-1 samples and samples of reads of 1 MiB or more")
+    bandwidth = max(s.throughput for s in big)
+    latency = float(np.mean([s.seconds / s.reads - s.size / bandwidth for s in one]))
+    near = min({s.size for s in samples}, key=lambda size: abs(size - read_bytes))
+    best = max((s for s in samples if s.size == near), key=lambda s: s.throughput)
+    return LinkProfile(name, float(bandwidth), max(0.0, latency),
+                       f"O_DIRECT random reads measured on this machine ({len(samples)} samples, fit_disk)",
+                       queue_depth=best.queue_depth)
+
+
+def calibrate_disk(path: str | Path, read_bytes: int = 384 << 10, **kwargs) -> tuple[LinkProfile, list[DiskSample]]:
+    """Measure path's disk and fit it: (LinkProfile, samples)."""
+    samples = measure_disk(path, **kwargs)
+    return fit_disk(samples, read_bytes), samples

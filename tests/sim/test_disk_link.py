@@ -1,0 +1,69 @@
+"""The simulator's link with a queue of reads in flight (link="disk"), checked against hand-computed times."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fate_lab.hardware.compute import ComputeProfile
+from fate_lab.hardware.links import LinkProfile
+from fate_lab.sim.simulate import ModelShape, SimClock, SimLink
+
+LAT, BW = 1e-3, 1e6  # 1 ms per read, 1 MB/s: a 1000-byte read moves its bytes in 1 ms
+
+
+class _Ctx:
+    def spec(self, m, reason):
+        return None
+
+    def event(self, *a):
+        pass
+
+    def landed(self, *a):
+        pass
+
+    def stall(self, *a):
+        pass
+
+
+class _Shape(ModelShape):
+    def nbytes(self, spec=None) -> int:
+        return 1000
+
+
+def _ends(depth: int, n: int) -> list[float]:
+    shape = _Shape(2, 1, 4, 1, 8, 8, torch.float32, 0, 0)
+    compute = ComputeProfile("link only", 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    link = SimLink(_Ctx(), SimClock(), LinkProfile("hand", BW, LAT, queue_depth=depth), compute, shape)
+    xs = [link.submit(0, e, e, urgent=True, reason="miss") for e in range(n)]
+    for e, x in enumerate(xs):
+        link.wait(0, e, x)
+    return [x.end for x in xs]
+
+
+def test_depth_one_is_latency_plus_bytes_per_read_back_to_back():
+    assert _ends(1, 3) == pytest.approx([2e-3, 4e-3, 6e-3])
+
+
+def test_a_deeper_queue_overlaps_the_latencies_but_not_the_bytes():
+    # two entries: both latencies run at once (0-1 ms); the bytes take turns on the wire (1-2 ms, 2-3 ms); the
+    # third read takes the first free entry at 2 ms, its latency ends at 3 ms and its bytes follow (3-4 ms)
+    assert _ends(2, 3) == pytest.approx([2e-3, 3e-3, 4e-3])
+    # a queue deep enough: bandwidth-bound, one read's bytes per ms after the first latency
+    assert _ends(8, 4) == pytest.approx([2e-3, 3e-3, 4e-3, 5e-3])
+    link = LinkProfile("hand", BW, LAT, queue_depth=2)  # the profile's streaming rate agrees: 2 x 1000 B / 2 ms
+    assert link.stream_bandwidth(1000) == pytest.approx(1e6)
+
+
+def test_an_experts_checkpoint_bytes_match_its_shape_by_hand():
+    import json
+
+    from fate_lab.paths import model_dir
+    from fate_lab.study.whatif import checkpoint_expert_bytes
+
+    for name in ("tiny_moe", "tiny_deepseek"):
+        file = model_dir(name) / "model.safetensors"
+        if not file.is_file():
+            pytest.skip(f"embedded model data/{name} not present")
+        cfg = json.loads((model_dir(name) / "config.json").read_text())
+        width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        assert checkpoint_expert_bytes(file) == 3 * cfg["hidden_size"] * width * 2  # gate, up, down in bfloat16
