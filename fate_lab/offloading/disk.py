@@ -71,7 +71,7 @@ class DiskStore(SafetensorsStore):
             for e in range(self.num_experts):
                 seen: dict[Path, list[tuple]] = {}
 
-                def record(file: Path, key: str, ee: int | None = None) -> torch.Tensor:
+                def record(file: Path, key: str, ee: int | None = None, seen=seen) -> torch.Tensor:
                     start, header = headers.setdefault(file, safetensors_header(file))
                     info = header[key]
                     dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
@@ -107,7 +107,7 @@ class DiskStore(SafetensorsStore):
         try:
             for file, rs in self.ranges[m][e].items():
                 views = read_ranges(file, [(r[2], r[3]) for r in rs], buf[pos:])
-                for r, v in zip(rs, views):
+                for r, v in zip(rs, views, strict=True):
                     tensors[file, r[0], r[1]] = torch.frombuffer(v, dtype=r[4]).reshape(r[5])
                 pos += span([(r[2], r[3]) for r in rs])
             w = self.index.read(m, e, load=lambda file, key, ee=None: tensors[file, key, ee])

@@ -26,6 +26,7 @@ from fate_lab.hardware.setups import Hardware, run_hardware
 from fate_lab.model.adapters import adapt
 from fate_lab.sim.simulate import simulate
 
+
 def checkpoint_expert_bytes(file) -> float:
     """Bytes of one routed expert in a safetensors file (every `.experts.` tensor over the experts they hold)."""
     import re

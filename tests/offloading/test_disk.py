@@ -31,7 +31,7 @@ def test_read_ranges_returns_the_bytes_a_plain_read_returns(tmp_path):
     ranges = [(ALIGN * 3 + 7, 100), (5, 4000), (4100, ALIGN), (5 * ALIGN, 123)]  # unaligned, touching, to the end
     buf = aligned_buffer(span(ranges))
     views = read_ranges(path, ranges, buf)
-    for (off, n), v in zip(ranges, views):
+    for (off, n), v in zip(ranges, views, strict=True):
         assert bytes(v) == data[off:off + n].tobytes()
     with pytest.raises(DirectIOError, match=r"truncated: bytes .* lie past its end"):
         read_ranges(path, [(5 * ALIGN, 200)], buf)
