@@ -182,9 +182,11 @@ def restore_fused_experts(adapter: MoEAdapter, store: HostStore, taken: Taken, d
 
 
 class StepwiseForward(nn.Module):
-    """`model(input_ids=[B, T])` run one token at a time with the KV cache, so every position is a
-    decode step of an offloaded model (prefetch, cache and on-demand precisions as in generation);
-    for teacher-forced quality of the decode-time mix with `quant.quality_report`."""
+    """`model(input_ids=[B, T])` run one token at a time with the KV cache, so every position after the
+    first is a decode step of an offloaded model (prefetch, cache and on-demand precisions as in
+    generation); the first, with no KV cache yet, is a one-token prefill, as it is in the runtime's and
+    the simulator's one phase rule. For teacher-forced quality of the decode-time mix with
+    `quant.quality_report`."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -192,7 +194,7 @@ class StepwiseForward(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, **_) -> "StepwiseOutput":
-        """Logits [B, T, V] of input_ids [B, T], computed as T decode steps."""
+        """Logits [B, T, V] of input_ids [B, T], computed as a one-token prefill and T - 1 decode steps."""
         cache, steps = None, []
         for t in range(input_ids.shape[1]):
             out = self.model(input_ids=input_ids[:, t:t + 1], cache=cache, use_cache=True)

@@ -43,7 +43,7 @@ from fate_lab.model.checkpoint import ExpertIndex
 from fate_lab.offloading import hookup
 from fate_lab.offloading.engine_link import EngineLink
 from fate_lab.offloading.experts_call import ExpertsCall
-from fate_lab.offloading.hookup import StepwiseForward  # public here too, as the first version had it
+from fate_lab.offloading.hookup import StepwiseForward  # public here too: the runtime is where users look
 from fate_lab.offloading.mechanisms import build_engine, build_slots, build_store, check_setup
 from fate_lab.offloading.slots import PackedSlots
 from fate_lab.offloading.store import CheckpointError

@@ -158,7 +158,7 @@ def _compare(logits_fp: torch.Tensor, logits_q: torch.Tensor, target: torch.Tens
 def measure(model_q: nn.Module, reference: Reference, progress: bool = True, stepwise: bool = False) -> dict:
     """The quality numbers of model_q (any model: offloaded, quantized copy, ...) against the reference.
 
-    stepwise: run each held-out window token by token (every position a decode step, teacher-forced)
+    stepwise: run each held-out window token by token (every position after the first a decode step, teacher-forced)
     instead of one forward: the perplexity of a policy that acts in decode steps only (lossy.MissPolicy).
     """
     win = [0.0] * 5  # nll_fp, nll_q, kl, agree, n
