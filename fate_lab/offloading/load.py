@@ -84,6 +84,11 @@ def load_offloaded(path: str | Path, config: OffloadConfig | None = None, dtype:
     if config.checkpoint is not None and Path(config.checkpoint).resolve() != path.resolve():
         raise ValueError(f"OffloadConfig.checkpoint={config.checkpoint!r} is not the folder opened ({path}); leave it "
                          "None, load_offloaded sets it")
+    if config.auto is not None:
+        raise ValueError(f"OffloadConfig {config.name!r} plans itself from a calibration that runs every expert resident "
+                         "and records a trace, which a model opened with load_offloaded cannot do (its experts stay on "
+                         "disk): name a preset (e.g. 'fate'), or plan where the model fits in memory "
+                         "(fate_lab.study.auto.plan_auto) and pass the config it returns")
     config = dataclasses.replace(config, checkpoint=str(path))
     model, index, report = load_without_experts(path, resolve_dtype(dtype), device)
     if model.config.model_type not in experts_interface_families():

@@ -137,6 +137,9 @@ def test_load_offloaded_refuses_a_corrupt_checkpoint_and_a_ram_store(tmp_path, t
     ckpt = _saved(model, tmp_path)
     with pytest.raises(ValueError, match=r"store='ssd'"):
         load_offloaded(ckpt, OffloadConfig.preset("fate", store="ram"))
+    for auto in ("auto", "auto_quant"):  # their calibration runs every expert resident: refused by name, not a meta error
+        with pytest.raises(ValueError, match=rf"'{auto}' plans itself .* name a preset"):
+            load_offloaded(ckpt, OffloadConfig.preset(auto, store="ssd", slots=4))
     _edit(ckpt, lambda t: t[30, 7:8].fill_(float("nan")))  # no in-memory copy: the file is checked for itself
     with pytest.raises(ValueError, match=r"model\.safetensors.*expert 3 of MoE layer 1: down holds 1 non-finite"):
         load_offloaded(ckpt, OffloadConfig.preset("fate", link="instant", store="ssd", slots=4))
