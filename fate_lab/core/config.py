@@ -189,6 +189,10 @@ def _check(c: OffloadConfig) -> None:
             raise ValueError(f"OffloadConfig.quant={c.quant!r}: {exc}") from None
     if c.lossy is not None and (c.host is not None or c.quant is not None):
         raise ValueError("a lossy miss policy runs alone: set host=None and quant=None with lossy=...")
+    if c.host is not None and c.link == "disk":
+        raise ValueError(f"OffloadConfig(host={c.host!r}, link='disk'): with the disk as the link the experts live on "
+                         "disk, not in host RAM, so computing one on the host would first read it from the disk, the "
+                         "link's own move; set host=None (a CPU-only machine has no other host to compute on)")
     if c.host is not None and c.quant is not None:
         raise ValueError("host compute runs full-precision experts; it cannot be combined with quant="
                          f"{c.quant!r} (choose one)")

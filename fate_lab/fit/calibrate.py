@@ -15,6 +15,7 @@ import torch
 
 from fate_lab.core.config import OffloadConfig
 from fate_lab.hardware.compute import ComputeProfile
+from fate_lab.hardware.links import LinkProfile
 
 RESIDENT_RUNS = 3  # measured all-resident generates
 
@@ -50,16 +51,45 @@ def _resident_figures(st, M: int, L: int, T: int, K: int) -> tuple[float, ...]:
     return dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok
 
 
+def link_overshoot(moves: list[tuple[float, float]], nbytes: int, link: LinkProfile) -> float:
+    """Seconds a transfer of nbytes took beyond what the simulator's link (`sim.simulate.SimLink`) charges it,
+    from the (start, end) of the moves a run timed.
+
+    Depth 1: each transfer holds the link for latency + bytes / bandwidth, so the overshoot is the median of each
+    move's time beyond that. Deeper queues (the disk): transfers in flight share the bandwidth, so one move's own
+    time says nothing by itself (two reads at once each take about twice as long); the simulator overlaps their
+    latencies and passes their bytes in turn, so a busy stretch of the link (the union of overlapping moves)
+    costs one latency plus every move's bytes / bandwidth. The overshoot is the busy time beyond that, per move.
+    """
+    if not moves:
+        return 0.0
+    if link.queue_depth == 1:
+        nominal = link.transfer_time(nbytes)
+        return max(0.0, med([a1 - a0 - nominal for a0, a1 in moves]))
+    busy, stretches, end = 0.0, 0, float("-inf")
+    for a0, a1 in sorted(moves):
+        if a0 > end:  # a new busy stretch
+            stretches += 1
+            busy += a1 - a0
+            end = a1
+        elif a1 > end:
+            busy += a1 - end
+            end = a1
+    wire = len(moves) * nbytes / link.bandwidth
+    return max(0.0, (busy - stretches * link.latency - wire) / len(moves))
+
+
 def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
                       name: str = "this machine", link: str | None = None,
-                      layer_compute_s: float | None = None) -> ComputeProfile:
+                      layer_compute_s: float | None = None, link_profile: LinkProfile | None = None) -> ComputeProfile:
     """A `ComputeProfile` measured from the runtime itself: every expert resident, instant link, timeline on.
 
     Decode figures are medians over the decode steps; prefill's per-token slopes come from the prompt.
     With `link` (an emulated link name), a second run loads experts on demand over it and measures what
     the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`, `busy_factor`,
     `transfer_host_s`); the resident figures (medians over `RESIDENT_RUNS` generates) stay those of the first
-    run, so a run that moves nothing (all experts resident) is predicted at the resident speed. Give a prompt as long as the prefills to be
+    run, so a run that moves nothing (all experts resident) is predicted at the resident speed. `link_profile`: the
+    link the simulator will be given (default: the runtime's), against which each transfer's overshoot is measured. Give a prompt as long as the prefills to be
     predicted: the per-token slopes are linear fits, and a 10-token prompt (about one token per expert)
     overstates a long prefill's expert time.
     """
@@ -99,9 +129,9 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
                 fresh.discard((m, e))
             elif kind == "predict":
                 pred2.append(a1 - a0)
-        nominal = rt2.link.transfer_time(rt2.expert_bytes)
+        lp = link_profile if link_profile is not None else rt2.link
         moves = [(m, e, a0, a1) for kind, m, e, a0, a1 in tl2 if kind in ("demand", "prefetch")]
-        extra = med([a1 - a0 - nominal for _, _, a0, a1 in moves])
+        extra = link_overshoot([(a0, a1) for _, _, a0, a1 in moves], rt2.expert_bytes, lp)
         landed_at: dict = {}
         wakes = []
         for kind, m, e, _a0, a1 in tl2:

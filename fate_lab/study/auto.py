@@ -176,6 +176,10 @@ def plan_auto(calibration: Trace, shape: ModelShape, hardware: Hardware, request
         base = OffloadConfig.preset(name)
         if base.predictor == "learned_gate" and not ctx.probes:
             continue
+        try:
+            _sized(base, request)
+        except ValueError:  # a start the request's link refuses (host compute over link="disk")
+            continue
         starts.append((score(name, base), name, _sized(base, request)))
     starts.sort(key=lambda s: -s[0])
     for _, label, cfg in starts[:keep]:

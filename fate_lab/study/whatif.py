@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 from fate_lab.core.config import OffloadConfig
 from fate_lab.core.shape import ModelShape
 from fate_lab.fit.calibrate import calibrate_compute
-from fate_lab.hardware.links import LinkProfile
+from fate_lab.hardware.links import LINK_PROFILES, LinkProfile
 from fate_lab.hardware.setups import Hardware, run_hardware
 from fate_lab.model.adapters import adapt
 from fate_lab.sim.simulate import simulate
@@ -56,29 +56,37 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -
 
     per_model = _calibrated.setdefault(model, {})
     if link not in per_model:
+        disk = _measured_disk(model) if link == "disk" else None
         with tqdm(total=2, desc="calibrating this machine", unit="step", leave=False) as bar:
             layer_s = machine_clock(model).layer_s
             bar.update()
             ids = calibration_ids(tokenizer)
             timed = None if link == "instant" else link  # every other link is emulated on a CPU
             with pinned():
-                compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s)
+                compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s, link_profile=disk)
             bar.update()
         hw = dataclasses.replace(run_hardware(link, layer_s), compute=compute)
-        if link == "disk":  # this disk measured now, with the runtime's reader count (`fit/disk.py`)
-            from pathlib import Path
-
-            from fate_lab.fit.disk import calibrate_disk
-
-            file = Path(model.name_or_path) / "model.safetensors"
-            measured, _ = calibrate_disk(file)
-            # the simulator counts an expert's bytes in the model's dtype, the disk reads the checkpoint's: the
-            # bandwidth is restated per model byte (x2 for a bfloat16 checkpoint run in float32)
-            scale = ModelShape.from_adapter(adapt(model)).nbytes() / checkpoint_expert_bytes(file)
-            hw = dataclasses.replace(hw, link=dataclasses.replace(
-                measured, bandwidth=measured.bandwidth * scale, queue_depth=hw.link.queue_depth))
+        if disk is not None:
+            hw = dataclasses.replace(hw, link=disk)
         per_model[link] = (hw, layer_s)
     return per_model[link]
+
+
+def _measured_disk(model) -> "LinkProfile":
+    """This disk, measured now with O_DIRECT reads of the model's checkpoint (`fit/disk.py`) at the size of one of its
+    experts, the bandwidth restated per byte of the model's dtype: the simulator counts an expert's bytes in the
+    model's dtype, the disk reads the checkpoint's (x2 for a bfloat16 checkpoint run in float32)."""
+    from pathlib import Path
+
+    from fate_lab.fit.disk import SIZES, calibrate_disk
+
+    file = Path(model.name_or_path) / "model.safetensors"
+    read = checkpoint_expert_bytes(file)
+    measured, _ = calibrate_disk(file, read_bytes=int(read), sizes=tuple(sorted({*SIZES, int(read) // 4096 * 4096})))
+    scale = ModelShape.from_adapter(adapt(model)).nbytes() / read
+    # the runtime reads with the "disk" profile's reader threads, whatever depth streamed fastest here
+    return dataclasses.replace(measured, bandwidth=measured.bandwidth * scale,
+                               queue_depth=LINK_PROFILES["disk"].queue_depth)
 
 
 CALIBRATION_TOKENS = 128  # as long as the notebooks' prefills: the profile's per-token slopes are linear fits

@@ -137,7 +137,7 @@ def test_load_offloaded_refuses_a_corrupt_checkpoint_and_a_ram_store(tmp_path, t
     ckpt = _saved(model, tmp_path)
     with pytest.raises(ValueError, match=r"store='ssd'"):
         load_offloaded(ckpt, OffloadConfig.preset("fate", store="ram"))
-    for auto in ("auto", "auto_quant"):  # their calibration runs every expert resident: refused by name, not a meta error
+    for auto in ("auto", "auto_quant"):  # calibrated with every expert resident: refused by name
         with pytest.raises(ValueError, match=rf"'{auto}' plans itself .* name a preset"):
             load_offloaded(ckpt, OffloadConfig.preset(auto, store="ssd", slots=4))
     _edit(ckpt, lambda t: t[30, 7:8].fill_(float("nan")))  # no in-memory copy: the file is checked for itself

@@ -67,3 +67,17 @@ def test_an_experts_checkpoint_bytes_match_its_shape_by_hand():
         cfg = json.loads((model_dir(name) / "config.json").read_text())
         width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
         assert checkpoint_expert_bytes(file) == 3 * cfg["hidden_size"] * width * 2  # gate, up, down in bfloat16
+
+
+def test_the_link_overshoot_of_a_queue_counts_shared_bandwidth_once():
+    # what the calibration charges each transfer beyond the simulator's link, from hand-timed moves
+    from fate_lab.fit.calibrate import link_overshoot
+
+    one = LinkProfile("copy engine", BW, LAT)  # depth 1: 1000 bytes take 2 ms
+    assert link_overshoot([(0.0, 2.5e-3), (3e-3, 5.5e-3), (6e-3, 8e-3)], 1000, one) == pytest.approx(0.5e-3)
+    disk = LinkProfile("disk", BW, LAT, queue_depth=2)
+    # two reads at once share the bandwidth: each takes 1 ms of latency + 2 ms of bytes; the simulator passes
+    # them as one latency and their bytes in turn (1 + 2 x 1 = 3 ms): no overshoot, where each read alone ran 1 ms over
+    assert link_overshoot([(0.0, 3e-3), (0.0, 3e-3)], 1000, disk) == pytest.approx(0.0, abs=1e-12)
+    # two stretches, 5 ms and 2.5 ms busy, for 3 reads: (7.5 - 2 x 1 - 3 x 1) / 3 ms each
+    assert link_overshoot([(0.0, 4e-3), (1e-3, 5e-3), (10e-3, 12.5e-3)], 1000, disk) == pytest.approx(2.5e-3 / 3)
