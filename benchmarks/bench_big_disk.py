@@ -224,7 +224,8 @@ def part1(args, folder: Path, lines: list[str]) -> dict:
 
 def _differs(cfg, request) -> str:
     """The fields of auto's pick that differ from its request: what it chose."""
-    return ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+    return ", ".join(f"{f.name}={'(calibrated)' if f.name == 'miss_curves' else repr(getattr(cfg, f.name))}"
+                     for f in dataclasses.fields(cfg)
                      if f.name not in ("name", "auto") and getattr(cfg, f.name) != getattr(request, f.name))
 
 

@@ -51,32 +51,29 @@ def _resident_figures(st, M: int, L: int, T: int, K: int) -> tuple[float, ...]:
     return dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok
 
 
-def link_overshoot(moves: list[tuple[float, float]], nbytes: int, link: LinkProfile) -> float:
-    """Seconds a transfer of nbytes took beyond what the simulator's link (`sim.simulate.SimLink`) charges it,
-    from the (start, end) of the moves a run timed.
+def link_overshoot(moves: list[tuple[float, float]], nbytes: int, link: LinkProfile,
+                   among: list[int] | None = None) -> float:
+    """Seconds a transfer of nbytes took beyond what the simulator's link (`sim.simulate.SimLink`) charges it: the
+    median over the (start, end) of the moves a run timed.
 
-    Depth 1: each transfer holds the link for latency + bytes / bandwidth, so the overshoot is the median of each
-    move's time beyond that. Deeper queues (the disk): transfers in flight share the bandwidth, so one move's own
-    time says nothing by itself (two reads at once each take about twice as long); the simulator overlaps their
-    latencies and passes their bytes in turn, so a busy stretch of the link (the union of overlapping moves)
-    costs one latency plus every move's bytes / bandwidth. The overshoot is the busy time beyond that, per move.
+    Depth 1: each transfer holds the link alone for latency + bytes / bandwidth. Deeper queues (the disk):
+    transfers in flight share the bandwidth, so a move is charged latency + c x bytes / bandwidth, where c is how
+    many moves were in flight on average while it ran (itself included): two reads at once each take about twice
+    their bytes' time, and neither is slow for it. `among`: the moves whose median is taken (default: all); every
+    move counts as in flight beside them.
     """
-    if not moves:
+    pick = range(len(moves)) if among is None else among
+    if not pick:
         return 0.0
-    if link.queue_depth == 1:
-        nominal = link.transfer_time(nbytes)
-        return max(0.0, med([a1 - a0 - nominal for a0, a1 in moves]))
-    busy, stretches, end = 0.0, 0, float("-inf")
-    for a0, a1 in sorted(moves):
-        if a0 > end:  # a new busy stretch
-            stretches += 1
-            busy += a1 - a0
-            end = a1
-        elif a1 > end:
-            busy += a1 - end
-            end = a1
-    wire = len(moves) * nbytes / link.bandwidth
-    return max(0.0, (busy - stretches * link.latency - wire) / len(moves))
+    wire = nbytes / link.bandwidth
+    over = []
+    for i in pick:
+        a0, a1 = moves[i]
+        c = 1.0
+        if link.queue_depth > 1 and a1 > a0:
+            c += sum(max(0.0, min(a1, b1) - max(a0, b0)) for j, (b0, b1) in enumerate(moves) if j != i) / (a1 - a0)
+        over.append(a1 - a0 - link.latency - c * wire)
+    return max(0.0, med(over))
 
 
 def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
@@ -130,8 +127,15 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
             elif kind == "predict":
                 pred2.append(a1 - a0)
         lp = link_profile if link_profile is not None else rt2.link
-        moves = [(m, e, a0, a1) for kind, m, e, a0, a1 in tl2 if kind in ("demand", "prefetch")]
-        extra = link_overshoot([(a0, a1) for _, _, a0, a1 in moves], rt2.expert_bytes, lp)
+        moves = [(kind, a0, a1) for kind, m, e, a0, a1 in tl2 if kind in ("demand", "prefetch")]
+        spans = [(a0, a1) for _, a0, a1 in moves]
+        extra, demand_extra = link_overshoot(spans, rt2.expert_bytes, lp), None
+        urgent = [i for i, (kind, _, _) in enumerate(moves) if kind == "demand"]
+        if lp.queue_depth > 1 and 0 < len(urgent) < len(moves):
+            # a disk read's own CPU work (conversion, digest, copy) has the cores to itself while the compute
+            # thread waits on it (a demand load) and shares them with compute otherwise (a prefetch): measured apart
+            demand_extra = link_overshoot(spans, rt2.expert_bytes, lp, among=urgent)
+            extra = link_overshoot(spans, rt2.expert_bytes, lp, among=sorted(set(range(len(moves))) - set(urgent)))
         landed_at: dict = {}
         wakes = []
         for kind, m, e, _a0, a1 in tl2:
@@ -154,6 +158,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
         landed = max(0.0, (dense_part - L * dense_s) / per)
     return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok,
                           expert_cold_s=cold, landed_s=landed, link_extra_s=max(0.0, extra), wake_s=wake,
+                          demand_extra_s=demand_extra,
                           busy_factor=busy, transfer_host_s=queued,
                           source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime (all resident, "
                           f"instant link, {new_tokens} tokens, quant={quant}"

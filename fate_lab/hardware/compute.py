@@ -31,6 +31,9 @@ class ComputeProfile:
     # the next dense layer pays it, at most its own time again; 0 on a GPU)
     link_extra_s: float = 0.0  # an emulated transfer's overshoot beyond latency + bytes/bandwidth (sleep
     # granularity of the worker thread); 0 for a real link
+    demand_extra_s: float | None = None  # a demand transfer's overshoot where it differs from a prefetch's
+    # (link_extra_s): on the disk a demand read runs while the compute thread waits, so the read's own CPU work
+    # (conversion, digest, copy) has the cores to itself; a prefetch read shares them with compute. None: the same
     wake_s: float = 0.0  # from a transfer landing to the waiting compute thread running again
     source: str = ""
     busy_factor: float = 1.0  # the expert, prediction and call pieces take this many times as long while the
@@ -40,7 +43,7 @@ class ComputeProfile:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name in ("name", "source"):
+            if f.name in ("name", "source") or (f.name == "demand_extra_s" and self.demand_extra_s is None):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -52,6 +55,10 @@ class ComputeProfile:
         if self.dense_s + self.expert_s <= 0:
             raise ValueError(f"ComputeProfile {self.name!r}: dense_s and expert_s are both 0, so a forward takes no "
                              "time and tokens/s is undefined; give at least one of them > 0")
+
+    def transfer_extra(self, urgent: bool) -> float:
+        """The overshoot the simulator adds to one transfer: a demand load's, or a prefetch's."""
+        return self.demand_extra_s if urgent and self.demand_extra_s is not None else self.link_extra_s
 
     def dense(self, T: int) -> float:
         """One layer's dense compute for T tokens."""

@@ -78,17 +78,17 @@ class SimLink:
         self.fresh: set[tuple[int, int]] = set()  # (layer, expert) whose bytes landed since it last computed
         self.evicting = 0.0  # landed_s owed by the next dense layer (`Simulator._dense`)
 
-    def _time(self, nbytes: int) -> float:
-        return 0.0 if self.link is None else self.link.transfer_time(nbytes) + self.compute.link_extra_s
+    def _time(self, nbytes: int, urgent: bool = False) -> float:
+        return 0.0 if self.link is None else self.link.transfer_time(nbytes) + self.compute.transfer_extra(urgent)
 
     def _start_next(self) -> None:
         x = self.queue.pop(0)
         i = min(range(len(self.entries)), key=self.entries.__getitem__)
         x.start = max(self.entries[i], x.submit_t)
-        t = self._time(x.nbytes)
+        t = self._time(x.nbytes, x.urgent)
         # its bytes, and the overshoot the compute profile measured (on a CPU: the reader's own conversion, digest
         # and copy, which take turns on the cores as the bytes do on the wire), follow its latency once the wire is free
-        wire = 0.0 if self.link is None else x.nbytes / self.link.bandwidth + self.compute.link_extra_s
+        wire = 0.0 if self.link is None else x.nbytes / self.link.bandwidth + self.compute.transfer_extra(x.urgent)
         x.end = max(x.start + t, self.wire_free + wire)
         self.entries[i] = self.wire_free = x.end
         self.free_at = max(self.free_at, x.end)
@@ -158,7 +158,7 @@ class SimLink:
         """Link time committed beyond now."""
         self._advance()
         running = sum(max(0.0, t - self.clock.now) for t in self.entries)
-        return (running + sum(self._time(x.nbytes) for x in self.queue)) / len(self.entries)
+        return (running + sum(self._time(x.nbytes, x.urgent) for x in self.queue)) / len(self.entries)
 
     def capacity(self, m: int) -> int | None:
         """Prefetches the link can start before layer m's call (the runtime's rule, simulated estimates)."""

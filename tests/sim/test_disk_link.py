@@ -30,11 +30,11 @@ class _Shape(ModelShape):
         return 1000
 
 
-def _ends(depth: int, n: int) -> list[float]:
+def _ends(depth: int, n: int, urgent: bool = True, **extra) -> list[float]:
     shape = _Shape(2, 1, 4, 1, 8, 8, torch.float32, 0, 0)
-    compute = ComputeProfile("link only", 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    compute = ComputeProfile("link only", 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, **extra)
     link = SimLink(_Ctx(), SimClock(), LinkProfile("hand", BW, LAT, queue_depth=depth), compute, shape)
-    xs = [link.submit(0, e, e, urgent=True, reason="miss") for e in range(n)]
+    xs = [link.submit(0, e, e, urgent=urgent, reason="miss" if urgent else "prefetch") for e in range(n)]
     for e, x in enumerate(xs):
         link.wait(0, e, x)
     return [x.end for x in xs]
@@ -76,8 +76,20 @@ def test_the_link_overshoot_of_a_queue_counts_shared_bandwidth_once():
     one = LinkProfile("copy engine", BW, LAT)  # depth 1: 1000 bytes take 2 ms
     assert link_overshoot([(0.0, 2.5e-3), (3e-3, 5.5e-3), (6e-3, 8e-3)], 1000, one) == pytest.approx(0.5e-3)
     disk = LinkProfile("disk", BW, LAT, queue_depth=2)
-    # two reads at once share the bandwidth: each takes 1 ms of latency + 2 ms of bytes; the simulator passes
-    # them as one latency and their bytes in turn (1 + 2 x 1 = 3 ms): no overshoot, where each read alone ran 1 ms over
+    # two reads at once share the bandwidth: each takes 1 ms of latency + 2 ms of bytes, no overshoot, where
+    # each read taken alone ran 1 ms over
     assert link_overshoot([(0.0, 3e-3), (0.0, 3e-3)], 1000, disk) == pytest.approx(0.0, abs=1e-12)
-    # two stretches, 5 ms and 2.5 ms busy, for 3 reads: (7.5 - 2 x 1 - 3 x 1) / 3 ms each
-    assert link_overshoot([(0.0, 4e-3), (1e-3, 5e-3), (10e-3, 12.5e-3)], 1000, disk) == pytest.approx(2.5e-3 / 3)
+    # the first two overlap for 3 of their 4 ms (1.75 reads in flight on average: 1 + 1.75 = 2.75 ms each, 1.25 over),
+    # the third runs alone (2.5 - 2 = 0.5 over): the median is 1.25 ms; the demand read alone, 0.5 ms
+    moves = [(0.0, 4e-3), (1e-3, 5e-3), (10e-3, 12.5e-3)]
+    assert link_overshoot(moves, 1000, disk) == pytest.approx(1.25e-3)
+    assert link_overshoot(moves, 1000, disk, among=[2]) == pytest.approx(0.5e-3)
+
+
+def test_a_demand_read_and_a_prefetch_pay_their_own_measured_overshoot():
+    # 0.5 ms over for a prefetch (its CPU work shares the cores with compute), 0.1 ms for a demand load; each
+    # follows its bytes on the wire: depth 1, back to back: 2.5, 5, 7.5 ms and 2.1, 4.2, 6.3 ms
+    both = dict(link_extra_s=0.5e-3, demand_extra_s=0.1e-3)
+    assert _ends(1, 3, urgent=False, **both) == pytest.approx([2.5e-3, 5e-3, 7.5e-3])
+    assert _ends(1, 3, urgent=True, **both) == pytest.approx([2.1e-3, 4.2e-3, 6.3e-3])
+    assert _ends(1, 3, urgent=True, link_extra_s=0.5e-3) == pytest.approx([2.5e-3, 5e-3, 7.5e-3])  # None: the same
