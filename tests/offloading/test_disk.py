@@ -141,3 +141,24 @@ def test_a_file_that_vanishes_mid_run_is_named_and_the_model_comes_back(tmp_path
 def test_the_disk_link_needs_the_ssd_store(tiny_models):
     with pytest.raises(ValueError, match=r"link='disk' reads experts from the checkpoint's files: set store='ssd'"):
         offload(tiny_models("qwen2_moe"), OffloadConfig.preset("lru", link="disk", slots=4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_disk_link_on_cuda_keeps_the_plain_tokens(tmp_path, tiny_models):
+    # the reader copies each expert from its host buffer into the device slot on its own CUDA stream
+    from fate_lab.offloading.load import load_offloaded
+
+    model = tiny_models("qwen2_moe", seed=9)
+    model.save_pretrained(tmp_path / "ckpt")
+    ids = prompt_ids(model.config.vocab_size)
+    ref_tokens, ref_logits = greedy(model.to("cuda"), ids.to("cuda"), N)
+    cfg = OffloadConfig.preset("fate", link="disk", store="ssd", slots=4)
+    opened, _, rt = load_offloaded(tmp_path / "ckpt", cfg, device="cuda")
+    try:
+        assert rt.gate_up_slots.is_cuda and rt.describe()["store"].startswith("disk O_DIRECT")
+        tokens, logits = greedy(opened, ids.to("cuda"), N)
+        assert rt.stats.summary()["decode"]["misses"] > 0
+    finally:
+        rt.close()
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
