@@ -76,11 +76,10 @@ def _measured_disk(model) -> "LinkProfile":
     """This disk, measured now with O_DIRECT reads of the model's checkpoint (`fit/disk.py`) at the size of one of its
     experts, the bandwidth restated per byte of the model's dtype: the simulator counts an expert's bytes in the
     model's dtype, the disk reads the checkpoint's (x2 for a bfloat16 checkpoint run in float32)."""
-    from pathlib import Path
-
     from fate_lab.fit.disk import SIZES, calibrate_disk
+    from fate_lab.model.folder import weight_files
 
-    file = Path(model.name_or_path) / "model.safetensors"
+    file = max(weight_files(model.name_or_path), key=lambda f: f.stat().st_size)  # a shard holding experts
     read = checkpoint_expert_bytes(file)
     measured, _ = calibrate_disk(file, read_bytes=int(read), sizes=tuple(sorted({*SIZES, int(read) // 4096 * 4096})))
     scale = ModelShape.from_adapter(adapt(model)).nbytes() / read
@@ -140,6 +139,22 @@ def describe(hardware: Hardware, expert_bytes: int | None = None) -> str:
 def sim_row(trace, config: OffloadConfig, hardware: Hardware, shape: ModelShape, name: str | None = None) -> dict:
     """One `RunStats.row` of the simulator: speed, hit rates, stall and bytes per decode token."""
     return simulate(trace, config, hardware, shape).row(name or config.name)
+
+
+SPEED_COLUMNS = ["decode tok/s", "decode tok/s spread", "predicted decode tok/s", "predicted / measured", "TTFT (ms)",
+                 "TTFT spread", "predicted TTFT (ms)"]
+
+
+def with_prediction(table: pd.DataFrame, trace, configs: dict[str, OffloadConfig], hardware: Hardware,
+                    shape: ModelShape) -> pd.DataFrame:
+    """A `bench.compare_presets` table with the simulator's prediction of every config's run beside it (`sim_table`
+    on the trace of the same prompt): predicted decode tok/s, predicted / measured, predicted TTFT (ms)."""
+    pred = sim_table(trace, configs, hardware, shape).set_index("config")
+    out = table.copy()
+    out["predicted decode tok/s"] = pred["decode tok/s"]
+    out["predicted / measured"] = out["predicted decode tok/s"] / out["decode tok/s"]
+    out["predicted TTFT (ms)"] = pred["TTFT (ms)"]
+    return out
 
 
 def sim_table(trace, configs: dict[str, OffloadConfig], hardware: Hardware, shape: ModelShape,
