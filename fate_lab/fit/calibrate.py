@@ -104,6 +104,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok = (
         med([r[i] for r in runs]) for i in range(7))
     cold = landed = extra = wake = queued = 0.0
+    demand_extra = None
     busy = 1.0
     if link is not None:  # the same machine while an emulated link copies on the other core
         disk = {"store": "ssd", "checkpoint": model.name_or_path} if link == "disk" else {}  # real reads
