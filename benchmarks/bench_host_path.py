@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from .report import emit
+
 PRESETS = ("lru", "fate")
 
 
@@ -121,12 +123,7 @@ def main(argv: list[str] | None = None) -> str:
         lines.append(f"| {name} | {stat(name, lambda r, p: r['experts'])} | {stat(name, lambda r, p: r['layer'])} | "
                      f"{stat(name, lambda r, p: r['forward'])} | {other} | "
                      f"{'—' if name == 'plain' else 'yes' if same[name] else 'NO'} |")
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
-    return text
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

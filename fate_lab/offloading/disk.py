@@ -27,7 +27,6 @@ from typing import Callable
 import torch
 
 from fate_lab.hardware.links import LinkProfile
-from fate_lab.offloading.digest import expert_digest, nonfinite
 from fate_lab.offloading.direct import aligned_buffer, read_ranges, span
 from fate_lab.offloading.slots import DeviceSlots, SlotWriter
 from fate_lab.offloading.store import CheckpointError, HostStore, SafetensorsStore
@@ -114,13 +113,7 @@ class DiskStore(SafetensorsStore):
         except Exception as exc:  # a vanished, truncated or replaced file: name it and the expert
             raise CheckpointError(f"cannot read expert {e} of MoE layer {m} from {self._where(m, e)}: {exc}; the "
                                   "checkpoint changed or vanished while offloaded") from exc
-        if expert_digest(w) != self.digests[m][e]:
-            bad = nonfinite(w)
-            raise CheckpointError(
-                f"expert {e} of MoE layer {m} read from {self._where(m, e)} is not the expert verified at offload "
-                f"(its digest changed{'; ' + bad if bad else ''}): the checkpoint was edited, swapped or corrupted "
-                "while offloaded; fate_lab refuses to compute with it. Offload again from an unchanged checkpoint")
-        return w
+        return self._verified(m, e, w)
 
     def describe(self) -> str:
         """'disk O_DIRECT (<path>)'."""

@@ -185,6 +185,10 @@ class SafetensorsStore(HostStore):
         except Exception as exc:  # a vanished, truncated or replaced file: name it and the expert
             raise CheckpointError(f"cannot read expert {e} of MoE layer {m} from {self._where(m, e)}: {exc!r}; "
                                   "the checkpoint changed or vanished while offloaded") from exc
+        return self._verified(m, e, w)
+
+    def _verified(self, m: int, e: int, w: ExpertWeights) -> ExpertWeights:
+        """w, refused unless it hashes to the digest expert e of MoE layer m had at offload."""
         if expert_digest(w) != self.digests[m][e]:
             bad = nonfinite(w)
             raise CheckpointError(
