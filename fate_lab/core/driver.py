@@ -181,7 +181,7 @@ class DriverCore:
     # --- 6. the one cache, over the driver's link ----------------------------------------
     def replacement(self, m: int, capacity: int) -> ReplacementPolicy:
         """Layer m's replacement policy, of the config's kind, over `capacity` slots."""
-        return policy_from_name(self.config.replacement, capacity)
+        return policy_from_name(self.config.replacement, capacity, self.shape.num_experts)
 
     def build_cache(self, link: Link) -> ExpertCache:
         """The one expert cache over this driver's link, with the config's flags."""

@@ -28,7 +28,7 @@ import dataclasses
 from typing import Callable
 
 from fate_lab.policy.cache import ExpertCache
-from fate_lab.policy.value import Candidate, LinkView, RankOdds, UseRate, plan_prefetches, worth_admitting, would_evict
+from fate_lab.policy.value import Candidate, LinkView, RankOdds, UseRate, plan_prefetches, worth_admitting
 
 DEMAND_EMA = 0.1  # weight of the newest decode call in the estimate of P(a layer issues a demand load)
 
@@ -147,7 +147,7 @@ class ValueCache(ExpertCache):
         pol = self.layers[m].policy
         if len(pol) < pol.capacity:
             return True
-        victim = would_evict(pol.resident(), protect | {e})
+        victim = pol.victim(e, protect | {e})
         return victim is not None and worth_admitting(self.rates[m].rate(e), self.rates[m].rate(victim))
 
     def _promote(self, m: int, e: int) -> None:

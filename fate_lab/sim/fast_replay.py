@@ -4,16 +4,17 @@ What this file is: the Python face of `sim/fast/` -- array preparation, paramete
 calls: `replay_layer_fast` (one layer, one capacity), `replay_jobs_fast` (many (layer, capacity) pairs in
 parallel; `replay.sweep` uses it) and `miss_curve_fast` (misses at every capacity 0..E of every layer;
 `replay.miss_curves` uses it). `fast_supported` says when a policy spec is covered: a policy *name* of
-`FAST_POLICIES` with keywords the policy knows. Not covered (the pure path stays): policy factories
-(callables), `router_ema` (it reads the router's probabilities) and any name added to
-`registry.POLICIES` later. The compiled functions are cached on disk (numba ``cache=True``): the first
-call on a machine compiles them (about a minute on a 2-core machine), later processes load them.
+`registry.POLICIES` with keywords the policy knows (a policy that reads the router's probabilities needs them as
+``probs``). Not covered (the uncompiled replay runs them): policy factories (Python callables). The compiled
+functions are cached on disk (numba ``cache=True``): the first call on a machine compiles them (about a minute on
+a 2-core machine), later processes load them.
 
 Semantics: exactly the pure per-layer replay of `replay.py`, the one `cache.ExpertCache` driven with an instant
 link (the parity tests in tests/sim/test_fast_replay.py require identical counts on random traces and on
 both embedded models' traces). Predicted sets come as CSR arrays: ``offsets [N + 1]`` and ``ids``, token
 t's set being ``ids[offsets[t]:offsets[t + 1]]`` (empty: no prefetch), or per layer for many layers.
-What it is not: the definition of the cache or of any policy (those stay pure, in `policy/`).
+What it is not: the definition of the cache (`policy/cache.py`) or of any policy (`policy/kernels/`: the replay
+runs the very functions the runtime calls).
 """
 from __future__ import annotations
 
@@ -22,10 +23,6 @@ from typing import Sequence
 
 import numpy as np
 
-FAST_POLICIES = ("lru", "lfu", "arc", "lrfu", "belady", "s3fifo", "sieve", "lirs", "lecar", "least_stale")
-_KEYWORDS = {"lru": (), "lfu": ("keep_history",), "arc": (), "lrfu": ("lam", "keep_history"), "belady": (),
-             "s3fifo": ("small_ratio", "ghost_ratio", "move_threshold"), "sieve": (), "lirs": ("hir_ratio", "stack_ratio"),
-             "lecar": ("learning_rate", "discount", "lru_weight", "seed"), "least_stale": ("alpha", "keep_history")}
 COUNTS = ("uses_prefill", "hits_prefill", "uses_decode", "hits_decode", "demand_loads", "prefetch_loads",
           "prefetch_useful", "prefetch_wasted", "demand_loads_prefill", "prefetch_loads_prefill",
           "prefetch_useful_prefill", "prefetch_wasted_prefill")  # the order of the kernel's counters
@@ -66,32 +63,12 @@ def predicted_sets(predictions, num_layers: int) -> PredictedSets:
 
 
 def fast_supported(policy, policy_kw: dict | None = None) -> bool:
-    """True when the compiled replay covers this policy spec (a name of FAST_POLICIES, keywords it knows)."""
-    if not isinstance(policy, str) or policy.lower() not in _KEYWORDS:
+    """True when the compiled replay covers this policy spec: a registered name, with keywords the policy knows."""
+    from fate_lab.policy.registry import POLICIES
+
+    if not isinstance(policy, str) or policy.lower() not in POLICIES:
         return False
-    return set(policy_kw or {}) <= set(_KEYWORDS[policy.lower()])
-
-
-def _params(name: str, capacity: int, kw: dict) -> tuple[list[float], list[int], int]:
-    """(float params, int params, seed) of the kernel, read off the pure policy (which also checks the keywords)."""
-    from fate_lab.policy.registry import policy_from_name
-
-    if name == "belady":
-        return [0.0, 0.0, 0.0], [0, 0, 0], 0
-    p = policy_from_name(name, capacity, **kw)
-    if name == "lfu":
-        return [0.0, 0.0, 0.0], [int(p.keep_history), 0, 0], 0
-    if name == "lrfu":
-        return [p.lam, 2.0 ** (-p.lam), 0.0], [int(p.keep_history), 0, 0], 0  # the decay LRFU computes
-    if name == "s3fifo":
-        return [0.0, 0.0, 0.0], [p.small_cap, p.ghost_cap, p.move_threshold], 0
-    if name == "lirs":
-        return [0.0, 0.0, 0.0], [p.hir_cap, p.stack_cap, 0], 0
-    if name == "lecar":
-        return [p.learning_rate, p.discount, p.w_lru], [p.hist_cap, 0, 0], int(kw.get("seed", 0)) & (2 ** 64 - 1)
-    if name == "least_stale":
-        return [p.alpha, 0.0, 0.0], [int(p.keep_history), 0, 0], 0
-    return [0.0, 0.0, 0.0], [0, 0, 0], 0
+    return set(policy_kw or {}) <= set(POLICIES[policy.lower()].keywords)
 
 
 def _as_uses(uses, name: str = "uses") -> np.ndarray:
@@ -115,18 +92,21 @@ def _phases(phases, N: int) -> np.ndarray:
 def replay_jobs_fast(uses, phases=None, *, policy: str = "lru", layers: Sequence[int], capacities: Sequence[int],
                      policy_kw: dict | None = None, predictions: PredictedSets | None = None, buffer: int = 0,
                      admit: str = "on_load", num_experts: int | None = None, n_jobs: int = 1,
-                     heap_above: int = 128) -> list[dict[str, int]]:
+                     heap_above: int = 128, probs=None) -> list[dict[str, int]]:
     """Counts of layer ``layers[j]`` with ``capacities[j]`` slots for every j (uses [N, L, k]), in n_jobs threads.
 
     ``heap_above``: the key-ordered policies (LFU, LRFU, Belady, least-stale, LeCaR) keep their residents in
     a heap above this many slots, else in an array scanned on eviction (faster for small caches); the
     victims are the same (the tests run both).
     """
+    from fate_lab.policy.registry import policy_record
     from fate_lab.sim.fast import driver
+    from fate_lab.sim.fast.dispatch import CODES
 
-    if not fast_supported(policy, policy_kw):
-        raise ValueError(f"policy {policy!r} with keywords {sorted(policy_kw or {})} has no fast path; "
-                         f"fast policies: {FAST_POLICIES} (see fast_supported)")
+    rec = policy_record(policy) if isinstance(policy, str) else None
+    if rec is None or not fast_supported(policy, policy_kw):
+        raise ValueError(f"policy {policy!r} with keywords {sorted(policy_kw or {})} has no fast path: give a "
+                         "registered name with its keywords (see fast_supported)")
     if admit not in ADMIT_MODES:
         raise ValueError(f"admit={admit!r}: choose one of {ADMIT_MODES}")
     if buffer < 0:
@@ -153,17 +133,24 @@ def replay_jobs_fast(uses, phases=None, *, policy: str = "lru", layers: Sequence
             raise ValueError(f"predictions cover {predictions.offsets.shape[0]} layers x "
                              f"{predictions.offsets.shape[1] - 1} tokens, the trace {L} x {N}")
         poff, pids, has_pred = predictions.offsets.astype(np.int64), _as_uses(predictions.ids, "predictions").astype(np.int32), True
-    name = policy.lower()
     kw = dict(policy_kw or {})
-    per_cap = {int(c): _params(name, int(c), kw) for c in np.unique(caps)}
-    prm = np.array([per_cap[int(c)][0] + [0.0] * 5 for c in caps], np.float64).reshape(len(caps), 8)
-    iprm = np.array([per_cap[int(c)][1] + [0] * 4 + [heap_above] for c in caps], np.int64).reshape(len(caps), 8)
-    seeds = np.array([per_cap[int(c)][2] for c in caps], np.uint64)
-    nxt = driver.next_uses(u3) if name == "belady" else np.zeros((L, 1, 1), np.int32)
+    per_cap = {int(c): rec.params(int(c), kw, heap_above) for c in np.unique(caps)}
+    prm = np.array([per_cap[int(c)][0] for c in caps], np.float64).reshape(len(caps), -1)
+    iprm = np.array([per_cap[int(c)][1] for c in caps], np.int64).reshape(len(caps), -1)
+    nxt = driver.next_uses(u3) if rec.reads_future else np.zeros((L, 1, 1), np.int32)
+    pr = np.zeros((L, 0, 0), np.float64)
+    if rec.needs_scores:
+        if probs is None:
+            raise ValueError(f"policy {rec.name!r} reads the router's probabilities: give probs [N, L, E] (a Trace "
+                             "recorded with gate inputs and router weights gives them)")
+        pr = np.ascontiguousarray(np.asarray(probs, np.float64).transpose(1, 0, 2))
+        if pr.shape[:2] != (L, N):
+            raise ValueError(f"probs must be [N, L, E] = [{N}, {L}, E], got {np.asarray(probs).shape}")
+        E = max(E, pr.shape[2])
     out = np.zeros((len(caps), driver.N_COUNTS), np.int64)
     with _threads(n_jobs):
-        driver.run_jobs(u3, _phases(phases, N), poff, pids, has_pred, FAST_POLICIES.index(name), prm, iprm, seeds,
-                        layers, caps, E, int(buffer), admit == "on_use", nxt, out)
+        driver.run_jobs(u3, _phases(phases, N), poff, pids, has_pred, CODES[rec.name], prm, iprm, layers, caps, E,
+                        int(buffer), admit == "on_use", nxt, pr, out)
     return [_counts(row) for row in out]
 
 

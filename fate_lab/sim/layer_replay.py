@@ -77,11 +77,15 @@ def check_policy(policy) -> None:
                         "capacity -> ReplacementPolicy")
 
 
-def make_policy(policy: PolicySpec, capacity: int, uses: list[list[int]], policy_kw: dict) -> ReplacementPolicy:
+def make_policy(policy: PolicySpec, capacity: int, uses: list[list[int]], policy_kw: dict,
+                num_experts: int | None = None) -> ReplacementPolicy:
+    """The policy of one layer: a registered name (one that reads the future gets this layer's uses), or a factory."""
     if isinstance(policy, str):
-        if policy.lower() == "belady":
-            return policy_from_name(policy, capacity, future=uses)
-        return policy_from_name(policy, capacity, **policy_kw)
+        from fate_lab.policy.registry import policy_record
+
+        if policy_record(policy).reads_future:
+            return policy_from_name(policy, capacity, num_experts, future=uses)
+        return policy_from_name(policy, capacity, num_experts, **policy_kw)
     return policy(capacity)
 
 
@@ -117,6 +121,12 @@ def replay_layer(uses: list[list[int]], preds: list | None, phases: list[int], p
 
 def run_layers(ex, uses, preds, phases, policy, kw, pairs, buffer, top_k, admit, n_jobs, fast) -> list[LayerStats]:
     """The LayerStats of layer l with s slots for every (l, s) of pairs: compiled where it covers the policy."""
+    if isinstance(policy, str):
+        from fate_lab.policy.registry import policy_record
+
+        if policy_record(policy).needs_scores:
+            raise ValueError(f"policy {policy!r} reads the router's probabilities, which sweep and miss_curves do not "
+                             "compute: replay it with replay(trace, ...) on a Trace recorded with its gate inputs")
     if fast and fast_supported(policy, kw):
         return fast_layers(ex, preds, phases, policy, kw, pairs, buffer, admit, n_jobs)
     return _parallel(n_jobs, [(uses[l], None if preds is None else preds[l], phases, policy, s, kw, buffer, top_k,
@@ -124,13 +134,14 @@ def run_layers(ex, uses, preds, phases, policy, kw, pairs, buffer, top_k, admit,
 
 
 def fast_layers(ex: Tensor, preds, phases: list[int], policy: str, kw: dict, pairs, buffer: int, admit: str,
-          n_jobs: int) -> list[LayerStats]:
-    """The compiled replay's counts of every (layer, slots) pair, as the pure replay's LayerStats."""
+                n_jobs: int, probs=None, num_experts: int | None = None) -> list[LayerStats]:
+    """The compiled replay's counts of every (layer, slots) pair, as the uncompiled replay's LayerStats (probs
+    [N, L, E]: the router's probabilities, for a policy that reads them)."""
     L = ex.shape[1]
     sets = None if preds is None else predicted_sets([[preds[l][t] for l in range(L)] for t in range(ex.shape[0])], L)
     res = replay_jobs_fast(ex.cpu().numpy(), phases, policy=policy, layers=[l for l, _ in pairs],
                            capacities=[s for _, s in pairs], policy_kw=kw, predictions=sets, buffer=buffer,
-                           admit=admit, n_jobs=n_jobs)
+                           admit=admit, n_jobs=n_jobs, probs=probs, num_experts=num_experts)
     n_pre = sum(1 for p in phases if p == 0)
     return [_layer_stats(r, n_pre, len(phases) - n_pre) for r in res]
 

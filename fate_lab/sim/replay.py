@@ -37,7 +37,7 @@ from fate_lab.hardware.setups import Hardware
 from fate_lab.model.trace import router_scores
 from fate_lab.policy.allocation import ShallowFavoringAllocation
 from fate_lab.policy.prediction_metrics import predict_trace
-from fate_lab.policy.registry import policy_from_name
+from fate_lab.policy.registry import POLICIES, policy_from_name
 from fate_lab.policy.rules import RouterScores, SelectionRule
 from fate_lab.policy.stats import PHASES, PhaseStats, RunStats
 from fate_lab.sim.fast_replay import PredictedSets, fast_supported
@@ -198,25 +198,29 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
     core = DriverCore(config, shape, Hardware(None, None), driver="replay")
     pol_spec = policy if policy is not None and not isinstance(policy, str) else config.replacement
     kw = policy_kw or {}
-    compiled = fast and fast_supported(pol_spec, kw)  # reads no router probabilities (fast_supported's policies)
-    pols = [] if compiled else [make_policy(pol_spec, s, uses[l], kw) for l, s in enumerate(core.slots_per_layer)]
+    compiled = fast and fast_supported(pol_spec, kw)
+    E = shape.num_experts
+    pols = [] if compiled else [make_policy(pol_spec, s, uses[l], kw, E) for l, s in enumerate(core.slots_per_layer)]
+    scores = POLICIES[pol_spec.lower()].needs_scores if isinstance(pol_spec, str) else any(p.wants_scores for p in pols)
     reads_router = config.predictor in ("cross_layer_gate", "learned_gate") and preds is None
-    router = _router(trace, router, reads_router or any(p.wants_scores for p in pols))
+    router = _router(trace, router, reads_router or scores)
     if preds is None and config.predictor is not None:
         p = _config_predictions(core, trace, router)
         preds = [[p[t][l] for t in range(len(p))] for l in range(L)]
     probs = [None] * L
-    if any(p.wants_scores for p in pols):
+    if scores:
         if router is None:
             raise ValueError("this replacement policy reads the router's probabilities: replay a Trace recorded "
                              "with gate inputs and router weights (record_trace)")
         gi = trace.gate_inputs.float()
-        probs = [router.scores(l, gi[:, l]).tolist() for l in range(L)]
+        probs = [router.scores(l, gi[:, l]) for l in range(L)]
     buffer = core.prefetch_buffers if preds is not None else 0
     if compiled:
+        stacked = torch.stack(probs, dim=1).double().numpy() if scores else None  # [N, L, E]
         stats = fast_layers(ex, preds, phases, pol_spec, kw, list(enumerate(core.slots_per_layer)), buffer,
-                      config.admit_prefetch, 1)
+                            config.admit_prefetch, 1, stacked, E)
     else:
+        probs = [None if p is None else p.tolist() for p in probs]
         stats = [replay_layer(uses[l], None if preds is None else preds[l], phases, pols[l], buffer, k,
                                config.admit_prefetch, probs[l]) for l in range(L)]
     return _summ(stats, core.slots_per_layer, shape, None if config.slots_per_layer else core.plan, unit, unit)

@@ -30,6 +30,7 @@ from fate_lab.core.config import OffloadConfig
 from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.setups import Hardware
 from fate_lab.model.trace import Trace
+from fate_lab.policy.registry import policy_names
 from fate_lab.policy.rules import Percentile, TopKPlus
 
 LOSSLESS_START = ("load_on_demand", "lru", "mixtral_offloading", "activation_path", "eap", "fate", "fate_v1",
@@ -111,7 +112,7 @@ def _moves(c: OffloadConfig, ctx: _Context) -> list[tuple[str, OffloadConfig]]:
     for a in ("uniform", "shallow", "miss_curve"):
         if a != c.allocation:
             add(f"allocation={a}", allocation=a, miss_curves=ctx.curves if a == "miss_curve" else None)
-    for r in ("lru", "arc", "lfu", "lrfu"):
+    for r in policy_names("classic"):
         if r != c.replacement:
             add(f"replacement={r}", replacement=r)
     plain = dict(prefetch_value=False, prefetch_depth=1, prefetch_low=False)

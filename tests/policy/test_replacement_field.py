@@ -4,11 +4,9 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_policies import LIRS, S3FIFO, SIEVE, LeastStale, LeCaR, splitmix64
 
 from fate_lab.policy.registry import POLICIES, policy_from_name
-from fate_lab.policy.replacement_field import LIRS, S3FIFO, SIEVE, splitmix64
-from fate_lab.policy.replacement_lecar import LeCaR
-from fate_lab.policy.replacement_moe import LeastStale
 
 FIELD = ["s3fifo", "sieve", "lirs", "lecar", "least_stale"]
 

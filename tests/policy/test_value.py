@@ -6,10 +6,10 @@ ValueCache slot layout as in test_cache.py: [layer caches | top_k demand slots |
 """
 import pytest
 from helpers import ScriptedLink
+from reference_policies import LRU
 
 from fate_lab.policy.cache import HOST
 from fate_lab.policy.placement import HostPlacement
-from fate_lab.policy.replacement import LRU
 from fate_lab.policy.value import (
     Candidate,
     LinkView,

@@ -1,4 +1,5 @@
-"""The compiled replay against the pure one (`ExpertCache` driven by `replay_layer_pure`): identical counts, always.
+"""The compiled replay against the uncompiled one (`ExpertCache` driven by `replay_layer_pure`, with the policy's
+pure-Python reference from tests/reference_policies.py where it has one): identical counts, always.
 
 Random traces (hypothesis: experts, top-k with repeats, capacity, staging buffer, admission mode, predicted
 sets with repeats, phases) and both embedded models' traces with Fate's cross-layer predictions, for every
@@ -11,10 +12,10 @@ import torch
 from helpers import embedded_models
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_policies import LRU, REFERENCE
 
-from fate_lab.policy.replacement import LRU
+from fate_lab.policy.registry import POLICIES
 from fate_lab.sim.fast_replay import (
-    FAST_POLICIES,
     fast_supported,
     miss_curve_fast,
     predicted_sets,
@@ -23,7 +24,9 @@ from fate_lab.sim.fast_replay import (
 )
 from fate_lab.sim.replay import miss_curves, replay, replay_layer_pure, sweep
 
-# every covered policy, with its keyword variants
+# every registered policy that reads no router probabilities (router_ema: test_compiled_policies.py and the replay()
+# of the embedded traces below), with keyword variants
+FAST_POLICIES = tuple(n for n, p in POLICIES.items() if not p.needs_scores)
 SPECS = [(name, {}) for name in FAST_POLICIES] + [
     ("lfu", {"keep_history": False}), ("lrfu", {"lam": 0.0}), ("lrfu", {"lam": 1.0, "keep_history": False}),
     ("s3fifo", {"small_ratio": 0.3, "move_threshold": 1}), ("lirs", {"hir_ratio": 0.3}),
@@ -31,9 +34,16 @@ SPECS = [(name, {}) for name in FAST_POLICIES] + [
 
 
 def pure_counts(uses, preds, phases, name, kw, cap, buffer, k, admit):
+    """The uncompiled replay's counts, with the policy's pure reference where one exists (else the compiled policy
+    by name: the cache's two state machines still meet)."""
     ul = [list(map(int, row)) for row in uses]
     assert all(len(row) == k for row in ul)
-    return replay_layer_pure(ul, list(phases), name, cap, policy_kw=kw, predictions=preds, buffer=buffer, admit=admit)
+    ref = REFERENCE.get(name)
+    if ref is None:
+        return replay_layer_pure(ul, list(phases), name, cap, policy_kw=kw, predictions=preds, buffer=buffer,
+                                 admit=admit)
+    factory = (lambda c: ref(c, ul)) if POLICIES[name].reads_future else (lambda c: ref(c, **kw))
+    return replay_layer_pure(ul, list(phases), factory, cap, predictions=preds, buffer=buffer, admit=admit)
 
 
 def csr(preds):
@@ -115,7 +125,7 @@ def test_embedded_model_traces_give_identical_results(model):
     scores = cross_layer_scores(tr.gate_inputs, tr.router_weights, tr.meta.get("scoring", "softmax"))
     preds = predictions_from_rule(scores, TopKPlus(k, 2))
     slots = [(l * 5) % (E // 2) + 1 for l in range(L)]
-    for name, kw in SPECS:
+    for name, kw in [*SPECS, ("router_ema", {}), ("router_ema", {"decay": 0.5})]:
         for p, buffer, admit in ((None, 0, "on_load"), (preds, 0, "on_load"), (preds, k, "on_use")):
             a = replay(tr, slots_per_layer=slots, policy=name, policy_kw=kw, predictions=p, prefetch_buffer=buffer,
                        admit_prefetch=admit, fast=True)
@@ -148,9 +158,9 @@ def test_predicted_sets_round_trip():
 
 
 def test_what_the_fast_path_covers():
-    assert all(fast_supported(n) for n in FAST_POLICIES)
+    assert all(fast_supported(n) for n in POLICIES)
     assert fast_supported("LRFU", {"lam": 0.1}) and not fast_supported("lrfu", {"decay": 0.9})
-    assert not fast_supported("router_ema") and not fast_supported(LRU)
+    assert not fast_supported(LRU)
     # a factory still works: the pure path runs
     ex = torch.tensor([1, 2, 3, 1, 2]).reshape(5, 1, 1)
     assert replay(ex, slots_per_layer=[2], policy=LRU).overall == replay(ex, slots_per_layer=[2], policy="lru").overall
@@ -158,8 +168,10 @@ def test_what_the_fast_path_covers():
 
 def test_errors_name_the_argument():
     uses = np.array([[0, 1], [1, 2]])
-    with pytest.raises(ValueError, match="no fast path"):
+    with pytest.raises(ValueError, match="router's probabilities: give probs"):
         replay_layer_fast(uses, policy="router_ema", capacity=1)
+    with pytest.raises(ValueError, match="unknown replacement policy 'fifo'"):
+        replay_layer_fast(uses, policy="fifo", capacity=1)
     with pytest.raises(ValueError, match="admit"):
         replay_layer_fast(uses, policy="lru", capacity=1, admit="never")
     with pytest.raises(ValueError, match="negative expert id"):

@@ -17,6 +17,7 @@ from fate_lab.hardware.setups import Hardware
 from fate_lab.model.adapters import adapt
 from fate_lab.model.record import record_trace
 from fate_lab.offloading.runtime import offload
+from fate_lab.policy.registry import POLICIES
 from fate_lab.sim.simulate import SimClock, SimLink, Simulator, check_trace, simulate, trace_steps
 
 KEYS = ("calls", "uses", "hits", "late", "misses", "host", "prefetch_issued", "prefetch_useful", "prefetch_wasted",
@@ -45,7 +46,8 @@ def _check(model, prompts: list[list[int]], new_tokens: int, budgets: list[int],
     trace = record_trace(model, None, prompts, decode_tokens=new_tokens - 1, progress=False)
     shape = ModelShape.from_adapter(adapt(model))
     configs = [(n, {}) for n in PRESETS if learned or OffloadConfig.preset(n).predictor != "learned_gate"]
-    configs += [("fate", {"replacement": "router_ema"}),  # a policy reading the router
+    configs += [("fate", {"replacement": r}) for r, p in POLICIES.items() if not p.reads_future]  # every policy
+    configs += [("fate", {"replacement": "router_ema", "prefetch_value": True}),  # a policy reading the router
                 ("fate", {"prefetch_value": True, "prefetch_depth": 2}),  # prefetch by value, two layers ahead
                 ("host_compute", {"prefetch_value": True, "host_fill": True})]  # the value cache with host fill
     for name, over in configs:

@@ -3,9 +3,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_policies import LRU
 
 from fate_lab.policy.allocation import ShallowFavoringAllocation, lru_miss_curves
-from fate_lab.policy.replacement import LRU
 from fate_lab.policy.rules import TopK, TopKPlus
 from fate_lab.sim.replay import miss_curves, predictions_from_rule, replay, sweep
 

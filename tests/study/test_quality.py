@@ -66,7 +66,10 @@ def test_quantized_config_matches_quality_report(tiny):
         expected = quality_report(model, q_model, windows, progress=False)
     for key in ("perplexity_fp", "perplexity_q", "greedy_agreement", "mean_kl", "n_tokens"):
         assert out[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
-    assert out["perplexity_change"] == pytest.approx(expected["perplexity_q"] / expected["perplexity_fp"] - 1)
+    # the change is a ratio of the two perplexities, each equal within rel 1e-6 above (two torch threads sum in
+    # another order from one run to the next): so the change within 2 x 1e-6 x q / fp, not 1e-6 of its own size
+    change = expected["perplexity_q"] / expected["perplexity_fp"] - 1
+    assert out["perplexity_change"] == pytest.approx(change, abs=2e-6 * (1 + change))
     assert out["mean_kl"] > 1e-4 and out["decode_mean_kl"] > 1e-4  # INT4/INT2 experts: really lossy
     assert not is_offloaded(model)
 

@@ -21,109 +21,32 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from fate_lab.sim.fast import classic as c
-from fate_lab.sim.fast import field as f
+from fate_lab.policy.kernels.record import F_ROWS, G_LEN, I_ROWS, R_LEN, S_LEN
+from fate_lab.sim.fast.dispatch import policy_access, policy_admit, policy_init, policy_observe, policy_tick
 
-LRU, LFU, ARC, LRFU, BELADY, S3FIFO, SIEVE, LIRS, LECAR, LEAST_STALE = range(10)
 N_COUNTS = 12
 
 
-@njit(cache=True, _nrt=False)
-def policy_init(code, I, F, S, G, R, E, cap, prm, iprm, seed, uses):
-    """Set up the state of policy `code` with capacity cap."""
-    if code == LRU:
-        c.lru_init(I, S, E, cap)
-    elif code == ARC:
-        c.arc_init(I, S, G, E, cap)
-    elif code == S3FIFO:
-        f.s3_init(I, S, E, cap, iprm[0], iprm[1], iprm[2])
-    elif code == SIEVE:
-        f.sieve_init(I, S, E, cap)
-    elif code == LIRS:
-        f.lirs_init(I, S, E, cap, iprm[0], iprm[1])
-    elif code == LECAR:
-        f.lecar_init(I, S, G, R, E, cap, iprm[0], prm[0], prm[1], prm[2], seed, iprm[7])
-    else:  # the key-ordered ones (least-stale's order changes with time: always the scanned array)
-        c.ranked_init(I, S, cap, cap if code == LEAST_STALE else iprm[7])
-        S[3] = iprm[0]  # keep_history (LFU, LRFU, least-stale)
-        G[0], G[1] = prm[0], prm[1]  # lam, decay (LRFU); alpha (least-stale)
-        if code == LRFU:
-            c.lrfu_init(G, prm[0], prm[1])
-        if code == BELADY:  # next use of every expert from token 0: its first use
-            n = uses.shape[0]
-            I[0, :] = n
-            for t in range(n - 1, -1, -1):
-                for j in range(uses.shape[1]):
-                    I[0, uses[t, j]] = t
-
-
-@njit(cache=True, _nrt=False)
-def policy_admit(code, I, F, S, G, R, E, e, prot):
-    """admit(e, protect) of policy `code`: -1, the victim, or e (not cached)."""
-    if code == LRU:
-        return c.lru_admit(I, S, E, e, prot)
-    if code == LFU:
-        return c.lfu_admit(I, F, S, e, prot)
-    if code == ARC:
-        return c.arc_admit(I, S, G, E, e, prot)
-    if code == LRFU:
-        return c.lrfu_admit(I, F, S, G, e, prot)
-    if code == BELADY:
-        return c.belady_admit(I, F, S, e, prot)
-    if code == S3FIFO:
-        return f.s3_admit(I, S, E, e, prot)
-    if code == SIEVE:
-        return f.sieve_admit(I, S, E, e, prot)
-    if code == LIRS:
-        return f.lirs_admit(I, S, E, e, prot)
-    if code == LECAR:
-        return f.lecar_admit(I, F, S, G, R, E, e, prot)
-    return f.stale_admit(I, F, S, G, e, prot)
-
-
-@njit(cache=True, _nrt=False)
-def policy_access(code, I, F, S, G, E, e):
-    """access(e) of policy `code` (e resident)."""
-    if code == LRU:
-        c.lru_access(I, E, e)
-    elif code == LFU:
-        c.lfu_access(I, F, S, e)
-    elif code == ARC:
-        c.arc_access(I, S, E, e)
-    elif code == LRFU:
-        c.lrfu_access(I, F, S, G, e)
-    elif code == S3FIFO:
-        f.s3_access(I, e)
-    elif code == SIEVE:
-        f.sieve_access(I, e)
-    elif code == LIRS:
-        f.lirs_access(I, S, E, e)
-    elif code == LECAR:
-        f.lecar_access(I, F, S, E, e)
-    elif code == LEAST_STALE:
-        f.stale_access(I, F, S, G, e)
-    # Belady: nothing to record
-
-
 @njit(cache=True)
-def run_layer(uses, phases, poff, pids, has_pred, code, prm, iprm, seed, cap, E, buffer, on_use, nextuse, out):
-    """Replay uses [N, k] of one layer (predicted sets pids[poff[t]:poff[t+1]]); counts into out [12]."""
+def run_layer(uses, phases, poff, pids, has_pred, code, prm, iprm, cap, E, buffer, on_use, nextuse, probs, out):
+    """Replay uses [N, k] of one layer (predicted sets pids[poff[t]:poff[t+1]]; the router's probabilities probs
+    [N, E] for a policy that reads them, else [0, 0]); counts into out [12]."""
     W = E + 8
-    I = np.zeros((12, W), np.int64)
-    F = np.zeros((4, W), np.float64)
-    S = np.zeros(32, np.int64)
-    G = np.zeros(c.POW0 + c.POW_TABLE, np.float64)
-    R = np.zeros(2, np.uint64)
-    policy_init(code, I, F, S, G, R, E, cap, prm, iprm, seed, uses)
+    I = np.zeros((I_ROWS, W), np.int64)
+    F = np.zeros((F_ROWS, W), np.float64)
+    S = np.zeros(S_LEN, np.int64)
+    G = np.zeros(G_LEN, np.float64)
+    R = np.zeros(R_LEN, np.uint64)
+    policy_init(code, I, F, S, G, R, E, cap, prm, iprm, uses)
     flags = np.zeros((6, E), np.uint8)
     lists = np.empty((5, max(E, uses.shape[1])), np.int64)
-    replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use, nextuse, out, I, F, S, G, R,
+    replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use, nextuse, probs, out, I, F, S, G, R,
                 flags, lists)
 
 
 @njit(cache=True, _nrt=False)
-def replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use, nextuse, out, I, F, S, G, R,
-                flags, lists):
+def replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use, nextuse, probs, out, I, F, S, G,
+                R, flags, lists):
     """The token loop of run_layer (no allocation, so compiled without reference counting)."""
     N, k = uses.shape
     res = flags[0]  # cached
@@ -138,9 +61,9 @@ def replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use
     for t in range(N):
         ph = phases[t]
         snap_d, snap_l, snap_u, snap_w = demand, loads, useful, wasted
-        if code == BELADY and t > 0:
-            for j in range(k):
-                c.belady_next_use(I, F, S, uses[t - 1, j], nextuse[t - 1, j])
+        policy_tick(code, I, F, S, G, R, E, t, uses, nextuse)
+        if probs.shape[0]:
+            policy_observe(code, I, F, S, G, R, E, probs[t], 1)
         nm = 0  # distinct experts moved by the prefetch
         ns = 0  # ... of them staged
         if has_pred and poff[t + 1] > poff[t]:
@@ -155,7 +78,7 @@ def replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use
                     continue
                 if res[e]:
                     if rnd[e]:  # reserved earlier in this set: reserved again
-                        policy_access(code, I, F, S, G, E, e)
+                        policy_access(code, I, F, S, G, R, E, e)
                         loads += 1
                     continue
                 if cap > 0 and not on_use:
@@ -210,7 +133,7 @@ def replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use
                 order[nh] = e
                 nh += 1
                 if res[e]:
-                    policy_access(code, I, F, S, G, E, e)
+                    policy_access(code, I, F, S, G, R, E, e)
             else:
                 miss[nmiss] = e
                 nmiss += 1
@@ -254,12 +177,13 @@ def replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use
 
 
 @njit(cache=True, parallel=True)
-def run_jobs(uses, phases, poff, pids, has_pred, code, prm, iprm, seeds, layers, caps, E, buffer, on_use, nextuse, out):
+def run_jobs(uses, phases, poff, pids, has_pred, code, prm, iprm, layers, caps, E, buffer, on_use, nextuse, probs,
+             out):
     """Replay job j = (layer layers[j], capacity caps[j]) for every j, in parallel; counts into out [J, 12]."""
     for j in prange(layers.shape[0]):
         l = layers[j]
-        run_layer(uses[l], phases, poff[l], pids, has_pred, code, prm[j], iprm[j], seeds[j], caps[j], E, buffer,
-                  on_use, nextuse[l], out[j])
+        run_layer(uses[l], phases, poff[l], pids, has_pred, code, prm[j], iprm[j], caps[j], E, buffer, on_use,
+                  nextuse[l], probs[l], out[j])
 
 
 @njit(cache=True, parallel=True)

@@ -13,6 +13,7 @@ import pandas as pd
 from fate_lab.core.config import OffloadConfig
 from fate_lab.extras import need
 from fate_lab.model.trace import Trace
+from fate_lab.policy.registry import policy_names
 from fate_lab.policy.rules import Percentile, SelectionRule, rule_from_name
 from fate_lab.study import tables, whatif
 
@@ -219,7 +220,7 @@ def cache_explorer(trace: Trace, calibration: Trace | None = None, hardware=None
                            max=L * E, step=max(1, L // 2))
     options = [a for a in ALLOCATION_CHOICES if a != "miss_curve" or calibration is not None]
     alloc = layout.dropdown("allocation", options, "shallow")
-    repl = layout.dropdown("replacement", ["arc", "lru", "lfu", "lrfu", "belady"], "arc")
+    repl = layout.dropdown("replacement", list(policy_names("classic", "bound")), "arc")
     pred = layout.dropdown("prefetch", list(PREDICTOR_CHOICES), "cross-layer percentile 75")
     out = W.Output()
     box = W.VBox([boundary, budget, alloc, repl, pred, out], layout=W.Layout(width="100%"))

@@ -1,15 +1,13 @@
-"""Compiled building blocks of the fast replay: intrusive linked lists, an indexed heap, SplitMix64.
+"""Compiled building blocks of the replacement policies (numba): intrusive linked lists, an indexed heap, a
+key-ordered resident set, SplitMix64.
 
-What this file is: numba functions over plain int64/float64 arrays of size about E (the experts of
-one layer), which the policy kernels (`classic.py`, `field.py`) combine. Nodes are expert ids
-``0..E-1``; a list's sentinel is an index ``>= E`` of the same next/previous rows, so several
-lists whose members are disjoint share one pair of rows. The heap keeps ids ordered by the pair
-``(F[K1, e], I[K2, e])`` (float, int; smallest first) with ``I[POS, e]`` its index or -1.
-Every kernel of this package that allocates nothing is compiled with ``_nrt=False`` (numba's
-reference-counting runtime off): they only index the arrays they are handed, and the reference
-counts numba adds to each call otherwise cost 5-10x the work itself (a heap update: 86 ns -> 15 ns).
-The building blocks and the policy functions are also inlined (``inline="always"``) into the
-driver's three dispatchers, so one admit or access is one call.
+What this file is: numba functions over plain int64/float64 arrays of size about E (the experts of one layer),
+which the policy files of this package combine. Nodes are expert ids ``0..E-1``; a list's sentinel is an index
+``>= E`` of the same next/previous rows, so several lists whose members are disjoint share one pair of rows. The
+heap keeps ids ordered by the pair ``(F[K1, e], I[K2, e])`` (float, int; smallest first) with ``I[POS, e]`` its
+index or -1. Every function allocates nothing and is compiled with ``_nrt=False`` (numba's reference-counting
+runtime off: the reference counts it otherwise adds to each call cost 5-10x the work itself, a heap update 86 ns
+-> 15 ns) and inlined (``inline="always"``) into its callers, so one admit or access is one call.
 What it is not: a policy; nothing here knows about caches.
 """
 from __future__ import annotations
@@ -179,7 +177,7 @@ def heap_min_unprotected(I, F, n, prot):
     return best
 
 
-# --- SplitMix64 (same stream as replacement_field.splitmix64) ---------------------------------------
+# --- SplitMix64 (Steele, Lea & Flood 2014; the stream of Java's SplittableRandom) -----------------------------
 
 _GOLDEN = uint64(0x9E3779B97F4A7C15)
 _MUL1 = uint64(0xBF58476D1CE4E5B9)
@@ -195,3 +193,87 @@ def splitmix_uniform(rng):
     z = (z ^ (z >> uint64(27))) * _MUL2
     z = z ^ (z >> uint64(31))
     return np.float64(z >> uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+# --- the residents of a policy ordered by a key (LFU, LRFU, Belady, least-stale, router-EMA, LeCaR's LFU side):
+# a heap above `heap_above` slots (S[HEAPED] = 1), else a plain array scanned on eviction, which is faster there (a
+# hit costs nothing, and a scan's branches are predictable where a heap's sift is not). Keys are unique, so both give
+# the same victims. S[0] is the resident count and S[1] the capacity.
+
+HEAPED = 31  # S[HEAPED]: 1 if the ranked residents are a heap
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ranked_init(I, S, cap, heap_above):
+    """No residents yet; capacity cap; a heap if cap > heap_above."""
+    I[POS, :] = -1
+    S[0] = 0
+    S[1] = cap
+    S[HEAPED] = 1 if cap > heap_above else 0
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ranked_min(I, F, S, prot):
+    """The unprotected resident with the smallest key (F[K1], I[K2]), or -1."""
+    if S[HEAPED]:
+        return heap_min_unprotected(I, F, S[0], prot)
+    best, b1, b2 = -1, 0.0, 0
+    for i in range(S[0]):
+        x = I[HEAP, i]
+        if prot[x]:
+            continue
+        a1 = F[K1, x]
+        if best < 0 or a1 < b1 or (a1 == b1 and I[K2, x] < b2):
+            best, b1, b2 = x, a1, I[K2, x]
+    return best
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ranked_remove(I, F, S, x):
+    """x is no longer resident."""
+    if S[HEAPED]:
+        S[0] = heap_remove(I, F, S[0], x)
+        return
+    i = I[POS, x]
+    n = S[0] - 1
+    last = I[HEAP, n]
+    I[HEAP, i] = last
+    I[POS, last] = i
+    I[POS, x] = -1
+    S[0] = n
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ranked_insert(I, F, S, e):
+    """Add e (its keys already set) to the residents."""
+    if S[HEAPED]:
+        S[0] = heap_push(I, F, S[0], e)
+        return
+    I[HEAP, S[0]] = e
+    I[POS, e] = S[0]
+    S[0] += 1
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ranked_rekey(I, F, S, e):
+    """A resident's keys changed."""
+    if S[HEAPED]:
+        heap_update(I, F, S[0], e)
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ranked_evict(I, F, S, prot):
+    """Remove and return the unprotected resident with the smallest key (-1 if there is none)."""
+    v = ranked_min(I, F, S, prot)
+    if v >= 0:
+        ranked_remove(I, F, S, v)
+    return v
+
+
+@njit(cache=True, _nrt=False, inline="always")
+def ranked_admit(I, F, S, e, prot):
+    """The full-cache half of a key-ordered admit: -1 (room left), the evicted resident, or e (all protected)."""
+    if S[0] < S[1]:
+        return -1
+    v = ranked_evict(I, F, S, prot)
+    return e if v < 0 else v

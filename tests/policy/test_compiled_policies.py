@@ -1,0 +1,110 @@
+"""The compiled policies (fate_lab/policy/kernels/) against their pure-Python references (tests/reference_policies.py),
+victim for victim, on random traces; the registry as the one list of policies."""
+import ast
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reference_policies import REFERENCE
+
+from fate_lab.policy.registry import POLICIES, policy_from_name, policy_record
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYWORDS = {"lecar": [{"seed": 3}, {"seed": 11, "lru_weight": 0.2}], "lfu": [{"keep_history": False}],
+            "lrfu": [{"lam": 0.5, "keep_history": False}], "s3fifo": [{"small_ratio": 0.3, "move_threshold": 1}],
+            "lirs": [{"hir_ratio": 0.3}], "least_stale": [{"alpha": 0.6, "keep_history": True}],
+            "router_ema": [{"decay": 0.5}]}
+CASES = [(n, kw) for n in sorted(POLICIES) if n in REFERENCE for kw in [{}] + KEYWORDS.get(n, [])]
+
+
+def _trace(rng: random.Random, E: int, N: int, k: int) -> list[list[int]]:
+    hot = rng.sample(range(E), max(1, E // 3))
+    return [[rng.choice(hot) if rng.random() < 0.6 else rng.randrange(E) for _ in range(k)] for _ in range(N)]
+
+
+def _drive(p, future, probs, rng: random.Random) -> list:
+    """What a driver does per token: tick, observe, an optional prefetch admit, the token's uses (protected)."""
+    log = []
+    for t, need in enumerate(future):
+        if hasattr(p, "at"):
+            p.at(t)
+        if p.wants_scores:
+            p.observe(probs[t], 1)
+        if rng.random() < 0.3:  # a prefetch of an expert the token may not use, protecting the token's own
+            e = rng.randrange(len(probs[t]))
+            log.append(("pre", e, None if e in p else p.admit(e, frozenset(need))))
+        prot = frozenset(need)
+        for e in dict.fromkeys(need):
+            if e in p:
+                p.access(e)
+                log.append(("hit", e))
+            else:
+                log.append(("miss", e, p.admit(e, prot)))
+        log.append(sorted(p.resident()))
+    return log
+
+
+@pytest.mark.parametrize("name, kw", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_compiled_policy_takes_the_references_decisions(name, kw):
+    for seed in range(6):
+        rng = random.Random(seed)
+        E, k = rng.choice([(6, 1), (8, 2), (16, 4), (40, 6)])
+        future = _trace(rng, E, 150, k)
+        probs = np.random.default_rng(seed).dirichlet(np.ones(E), size=len(future)).tolist()
+        for cap in sorted({0, 1, k, E // 2, E - 1, E}):
+            if policy_record(name).reads_future:
+                ref, comp = REFERENCE[name](cap, future), policy_from_name(name, cap, E, future=future)
+            else:
+                ref, comp = REFERENCE[name](cap, **kw), policy_from_name(name, cap, E, **kw)
+            got = _drive(comp, future, probs, random.Random(seed + 100))
+            want = _drive(ref, future, probs, random.Random(seed + 100))
+            assert got == want, f"{name} {kw} seed {seed} capacity {cap}: first difference at entry " \
+                                f"{next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)}"
+
+
+def test_every_policy_file_is_registered():
+    files = {p.stem for p in (ROOT / "fate_lab/policy/kernels").glob("*.py")} - {"__init__", "blocks", "record"}
+    assert files == set(POLICIES), "a policy file is a module of fate_lab/policy/kernels/ named by its policy"
+
+
+def test_no_table_outside_the_registry_lists_policies():
+    """A literal list, tuple, set or dict naming two policies or more is a second registry: none outside it."""
+    names = set(POLICIES)
+    found = []
+    for path in (ROOT / "fate_lab").rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "fate_lab/policy/registry.py" or "__pycache__" in rel:  # the replay's calls, written from it
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+            if not isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict)) or items is None:
+                continue
+            hits = {i.value for i in items if isinstance(i, ast.Constant) and i.value in names}
+            if len(hits) >= 2:
+                found.append(f"{rel}:{node.lineno} {sorted(hits)}")
+    assert not found, "policies listed outside registry.py: " + "; ".join(found)
+
+
+def test_a_wrong_keyword_names_the_policys_keywords():
+    with pytest.raises(TypeError, match="lrfu.*keywords: lam, keep_history"):
+        policy_from_name("lrfu", 4, 8, lamda=0.1)
+    with pytest.raises(ValueError, match="outside 0..7"):
+        policy_from_name("lru", 4, 8).admit(9)
+
+
+def test_victim_is_what_the_admit_then_evicts():
+    rng = random.Random(5)
+    for name in sorted(POLICIES):
+        if policy_record(name).reads_future:
+            continue
+        p = policy_from_name(name, 4, 12)
+        for _ in range(300):
+            e = rng.randrange(12)
+            if e in p:
+                p.access(e)
+                continue
+            prot = frozenset(rng.sample(sorted(p.resident()), min(len(p), rng.randrange(3))))
+            want = p.victim(e, prot)
+            got = p.admit(e, prot)
+            assert (None if got == e else got) == want, name
