@@ -3,7 +3,7 @@ reference the compiled ones (fate_lab/policy/kernels/) are checked against, vict
 
 They were the package's policies until the compiled ones replaced them; hand examples in test_replacement*.py pin
 them to the papers, and tests/policy/test_compiled_policies.py drives each compiled policy and its reference with
-the same random admits, uses and protect sets.
+the same random admits, uses and protect sets. A CLOCK reference is written here in the textbook form.
 """
 from __future__ import annotations
 
@@ -876,4 +876,50 @@ class LeastStale(ScoredEviction):
             del self._last[e], self._interval[e]
 
 
-REFERENCE = {c.name: c for c in (LRU, LFU, ARC, Belady, LRFU, RouterEMA, S3FIFO, SIEVE, LIRS, LeCaR, LeastStale)}
+class CLOCK(ReplacementPolicy):
+    """CLOCK in the textbook form: a ring of slots (a Python list), a hand, a reference bit per resident."""
+
+    name = "clock"
+
+    def __init__(self, capacity: int):
+        self.capacity = check_capacity(capacity)
+        self.ring: list[int] = []
+        self.bit: dict[int, bool] = {}
+        self.hand = 0
+
+    def __contains__(self, e: int) -> bool:
+        return e in self.bit
+
+    def resident(self) -> list[int]:
+        """Resident ids from the hand round the ring."""
+        return self.ring[self.hand:] + self.ring[:self.hand]
+
+    def access(self, e: int) -> None:
+        """A use sets the bit."""
+        self.bit[e] = True
+
+    def admit(self, e: int, protect: frozenset[int] = frozenset()) -> int | None:
+        """A free slot, else the first unprotected resident past the hand whose bit is clear."""
+        if e in self.bit:
+            self.access(e)
+            return None
+        if len(self.ring) < self.capacity:
+            self.ring.append(e)
+            self.bit[e] = False
+            return None
+        if all(x in protect for x in self.ring):
+            return e
+        while True:
+            x = self.ring[self.hand]
+            if x not in protect:
+                if not self.bit[x]:
+                    del self.bit[x]
+                    self.ring[self.hand] = e
+                    self.bit[e] = False
+                    self.hand = (self.hand + 1) % self.capacity
+                    return x
+                self.bit[x] = False
+            self.hand = (self.hand + 1) % self.capacity
+
+
+REFERENCE = {c.name: c for c in (LRU, LFU, ARC, Belady, LRFU, RouterEMA, S3FIFO, SIEVE, LIRS, LeCaR, LeastStale, CLOCK)}

@@ -23,6 +23,7 @@ _FILES = (  # the modules of fate_lab/policy/kernels/ that hold a policy, in the
     "lecar",
     "least_stale",
     "router_ema",
+    "clock",
 )
 
 POLICIES: dict[str, Policy] = {}

@@ -1,5 +1,5 @@
 """The compiled policies (fate_lab/policy/kernels/) against their pure-Python references (tests/reference_policies.py),
-victim for victim, on random traces; the registry as the one list of policies."""
+victim for victim, on random traces; the registry as the one list of policies; CLOCK by hand."""
 import ast
 import random
 from pathlib import Path
@@ -84,6 +84,19 @@ def test_no_table_outside_the_registry_lists_policies():
             if len(hits) >= 2:
                 found.append(f"{rel}:{node.lineno} {sorted(hits)}")
     assert not found, "policies listed outside registry.py: " + "; ".join(found)
+
+
+def test_clock_by_hand():
+    c = policy_from_name("clock", 3, 8)
+    for e in (1, 2, 3):
+        assert c.admit(e) is None  # ring: 1 2 3, hand at 1, every bit clear
+    c.access(1)  # 1's bit set
+    assert c.admit(4) == 2  # the hand clears 1's bit, passes it, evicts 2; ring 1 4 3, hand at 3
+    c.access(3)
+    assert c.admit(5, frozenset({1})) == 4  # 3 loses its bit, 1 is protected, 4 (bit clear) goes: hand at 3
+    assert c.admit(6) == 3  # 3's bit was cleared on the last sweep
+    assert c.admit(7, frozenset({1, 5, 6})) == 7  # every resident protected: not cached
+    assert sorted(c.resident()) == [1, 5, 6]
 
 
 def test_a_wrong_keyword_names_the_policys_keywords():
