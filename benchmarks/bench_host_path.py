@@ -15,6 +15,7 @@ of each round, then the median and spread (min-max) over `--rounds` rounds.
   runtime's router and layer hooks add outside the experts call.
 
     python -m benchmarks.bench_host_path --out benchmarks/results/host_path_$(date +%F).md
+    python -m benchmarks.bench_host_path --device cuda   # the same on a GPU: the host time a GPU run pays
 """
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ class Clock:
             h.remove()
 
 
+def _cpu_name() -> str:
+    """The host CPU's model name (Linux), or the platform's word for it."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "an unnamed CPU"
+
+
 def decode(model, ids, n: int):
     return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
@@ -73,16 +87,17 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per run (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default %(default)s)")
     ap.add_argument("--out", default=None, help="also write the report to this markdown file")
+    ap.add_argument("--device", default="cpu", help="where the model runs: cpu (default) or cuda")
     args = ap.parse_args(argv)
     from fate_lab.core.config import OffloadConfig
     from fate_lab.model.testing import tiny_model
     from fate_lab.offloading.runtime import offload
 
     torch.set_num_threads(1)
-    model = tiny_model("qwen2_moe", seed=0, num_hidden_layers=8)
+    model = tiny_model("qwen2_moe", seed=0, num_hidden_layers=8).to(args.device)
     cfg = model.config
     slots = cfg.num_hidden_layers * cfg.num_experts
-    ids = torch.randint(1, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).to(args.device)
     clock = Clock(model)
     load0 = os.getloadavg()[0]
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in ("plain", *PRESETS)}
@@ -107,8 +122,10 @@ def main(argv: list[str] | None = None) -> str:
         xs = [f(r, p) * 1e6 for r, p in zip(runs[name], runs["plain"], strict=True)]
         return f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})"
 
-    lines = [f"# Host time per MoE layer ({time.strftime('%Y-%m-%d')})", "",
-             f"`python -m benchmarks.bench_host_path --tokens {args.tokens} --rounds {args.rounds}`", "",
+    where = f"on {_cpu_name()}" + (f", the model on {torch.cuda.get_device_name()}" if args.device == "cuda" else "")
+    lines = [f"# Host time per MoE layer ({time.strftime('%Y-%m-%d')}, {args.device})", "",
+             f"`python -m benchmarks.bench_host_path --tokens {args.tokens} --rounds {args.rounds} "
+             f"--device {args.device}`; {where}.", "",
              f"Tiny random Qwen2-MoE (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} MoE layers, "
              f"{cfg.num_experts} experts of width {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}), "
              f"every expert cached ({slots} slots), link 'instant', one torch thread, {args.tokens} decode tokens x "

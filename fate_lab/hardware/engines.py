@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-FATE_LAB_MOE_CALL_S = 100e-6  # fate_lab's host time per experts call, fate's (prediction included; lru 78 us,
-# plain transformers 92 us): benchmarks/results/host_path_2026-12-04.md (bench_host_path: hooks on a tiny random
-# Qwen2-MoE, 8 MoE layers, every expert cached, one torch thread, the 2-core AMD EPYC of the test machine).
-# ONE constant: update it here when the runtime's call changes.
+FATE_LAB_CALL_S = 78e-6  # fate_lab's host time per experts call without a prediction (lru; plain transformers 92 us)
+FATE_LAB_PREDICT_S = 22e-6  # ... what fate's host-side cross-layer prediction adds to it (fate 100 us - lru 78 us)
+# Both measured by benchmarks/bench_host_path.py (benchmarks/results/host_path_2026-12-04.md: hooks on a tiny random
+# Qwen2-MoE, 8 MoE layers, every expert cached, one torch thread) on the 2-core AMD EPYC of the test machine, and
+# used as they are for any host: fate_lab's runtime as it runs on a host core of that speed. The simulator's
+# roofline (roofline.py) and plan's fate_lab engine read them. ONE place: update it when the runtime's call changes.
+FATE_LAB_MOE_CALL_S = FATE_LAB_CALL_S + FATE_LAB_PREDICT_S  # fate's whole call, prediction included: 100 us
 HOP_S = 30e-6  # activations GPU->CPU->GPU and a thread-pool wake per CPU-expert layer: two ~10 us copies + ~10 us
 # of wake-up and synchronisation (estimate; Fiddler reports tens of microseconds per host call)
 PREFILL_STREAM_MIN_BATCH = 32  # llama.cpp's CUDA backend offloads an op on CPU-resident weights to the GPU from
