@@ -34,7 +34,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-POLICIES = ["lru", "lfu", "arc", "lrfu", "belady", "s3fifo", "sieve", "lirs", "lecar", "least_stale"]
+from fate_lab.policy.registry import POLICIES as REGISTRY
+
+# every registered policy the replay can run on a bare array (router_ema reads a Trace's router probabilities)
+POLICIES = [n for n, p in REGISTRY.items() if not p.needs_scores]
 
 
 def ordered_dict_lru(rows: list[list[int]], capacity: int) -> int:
