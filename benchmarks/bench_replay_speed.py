@@ -226,12 +226,16 @@ def public_table(quick: bool) -> list[str]:
            f"`replay(ex, slots_per_layer={cap}, policy=...)` end to end (checks, conversion, config, stats) beside "
            "the compiled kernel alone on the same array, and the 20-line OrderedDict LRU over the same "
            f"{lookups / 1e6:.0f}M look-ups in this process: {_pair(od, 2)} M look-ups/s.", "",
-           "| policy | replay() public | kernel alone | public / kernel (wall) | public / OrderedDict LRU (wall) |",
-           "|---|---|---|---|---|"]
+           f"The last two columns: `replay(..., n_jobs=-1)`, the layers on every core ({os.cpu_count()} here).", "",
+           "| policy | replay() public | kernel alone | public / kernel (wall) | public / OrderedDict LRU (wall) "
+           "| replay(n_jobs=-1) | its / OrderedDict LRU |",
+           "|---|---|---|---|---|---|---|"]
     for pol in POLICIES:
         pub = rate(lambda pol=pol: replay(ex, slots_per_layer=cap, policy=pol), lookups)
         ker = rate(lambda pol=pol: replay_jobs_fast(ex, None, policy=pol, **jobs), lookups)
-        out.append(f"| {pol} | {_pair(pub)} | {_pair(ker)} | {pub[0] / ker[0]:.2f} | {pub[0] / od[0]:.1f}x |")
+        par = rate(lambda pol=pol: replay(ex, slots_per_layer=cap, policy=pol, n_jobs=-1), lookups)
+        out.append(f"| {pol} | {_pair(pub)} | {_pair(ker)} | {pub[0] / ker[0]:.2f} | {pub[0] / od[0]:.1f}x "
+                   f"| {_pair(par)} | {par[0] / od[0]:.1f}x |")
     bounds, budgets = [0, L // 4, L // 2], [L * E // 8, L * E // 4, L * E // 2]
     res, wall, cpu = timed(lambda: sweep(ex, boundaries=bounds, budgets=budgets, num_experts=E, policy="arc"))
     pairs = len({(l, s) for sl in res["slots"] for l, s in enumerate(sl)})

@@ -175,7 +175,7 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
            predictions: Predictions | None = None, phase: Tensor | str | None = None,
            policy_kw: dict | None = None, prefetch_buffer: int | None = None,
            admit_prefetch: str | None = None, expert_bytes: int | None = None, fast: bool = True,
-           router=None) -> RunStats:
+           router=None, n_jobs: int = 1) -> RunStats:
     """Replay a routing trace through per-layer caches (semantics in the module docstring).
 
     ``config``: the `OffloadConfig` whose cache-related part runs (default: LRU, no predictor); the slots
@@ -186,10 +186,12 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
     predictor, from the trace). ``expert_bytes``: the unit of bytes_moved (default: the shape's expert).
     ``router``: the model's own routers (`MoEAdapter.host_routers()`), for a router the trace's weights cannot
     reproduce (default: the trace's, with its logit biases). ``fast``: the compiled replay where it covers the
-    policy (same counts; False: the pure cache).
+    policy (same counts; False: the uncompiled cache). ``n_jobs``: threads of the compiled replay, one layer each at
+    a time (-1: every core; the counts do not depend on it).
     """
     if policy is not None:
         check_policy(policy)
+    _check_n_jobs(n_jobs)
     uses, preds, phases, L, k, trace, ex = _prepare(experts, predictions, phase)
     unit = expert_bytes if expert_bytes is not None else 1 if shape is None else shape.nbytes(None)
     config = _replay_config(config, L, slots_per_layer, policy, prefetch_buffer, admit_prefetch)
@@ -218,7 +220,7 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
     if compiled:
         stacked = torch.stack(probs, dim=1).double().numpy() if scores else None  # [N, L, E]
         stats = fast_layers(ex, preds, phases, pol_spec, kw, list(enumerate(core.slots_per_layer)), buffer,
-                            config.admit_prefetch, 1, stacked, E)
+                            config.admit_prefetch, n_jobs, stacked, E)
     else:
         probs = [None if p is None else p.tolist() for p in probs]
         stats = [replay_layer(uses[l], None if preds is None else preds[l], phases, pols[l], buffer, k,

@@ -148,6 +148,16 @@ def test_sweep_and_miss_curves_match_the_pure_path():
         assert miss_curve_fast(ex.numpy(), 10, policy=name, predictions=predicted_sets(preds, 3), n_jobs=2) == pure
 
 
+def test_replay_on_every_core_gives_the_same_counts():
+    g = np.random.default_rng(8)
+    ex = np.stack([[g.choice(12, 2, replace=False) for _ in range(5)] for _ in range(300)])
+    for pol in ("lru", "lirs", "belady"):
+        one = replay(ex, slots_per_layer=[2, 3, 4, 5, 6], policy=pol)
+        assert replay(ex, slots_per_layer=[2, 3, 4, 5, 6], policy=pol, n_jobs=-1).per_layer == one.per_layer
+    with pytest.raises(ValueError, match="n_jobs=0"):
+        replay(ex, slots_per_layer=2, n_jobs=0)
+
+
 def test_predicted_sets_round_trip():
     preds = [[None, [3, 1]], [[2], None], [None, []]]
     ps = predicted_sets(preds, 2)
