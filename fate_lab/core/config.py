@@ -242,7 +242,8 @@ _PRESETS: dict[str, OffloadConfig] = {
     "fate": OffloadConfig("fate", prefetch_window=4.0),
     # Fate as the first version ran it: the whole percentile set queued and admitted into the cache
     "fate_v1": OffloadConfig("fate_v1", prefetch_budget="all", admit_prefetch="on_load"),
-    # Fate with the learned cross-layer probes (policy/probes.py, fitted by fit/probes.py) instead of the router product + percentile
+    # Fate with the learned cross-layer probes (policy/probes.py, fitted by fit/probes.py) instead of the router
+    # product + percentile
     "fate_learned": OffloadConfig("fate_learned", prefetch_window=4.0, predictor="learned_gate"),
     # Fate + misses computed on the host CPU when that beats their transfer (Fiddler's cost model)
     "host_compute": OffloadConfig("host_compute", prefetch_window=4.0, host="cost"),

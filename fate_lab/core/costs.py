@@ -51,7 +51,8 @@ def _layer_class(rest: str, ndim: int) -> str:
     """The tensor class (`hardware/formats.CLASSES`) of a parameter named `rest` inside a decoder layer."""
     if ndim < 2 or "norm" in rest:
         return "norm"
-    if ".gate." in f".{rest}" and rest.startswith("mlp.gate") or rest.startswith(("mlp.router", "mlp.shared_expert_gate")):
+    routers = ("mlp.router", "mlp.shared_expert_gate")
+    if ".gate." in f".{rest}" and rest.startswith("mlp.gate") or rest.startswith(routers):
         return "router"
     down = "down" in rest
     if rest.startswith("mlp.shared_expert"):

@@ -280,7 +280,8 @@ class DriverCore:
                 "num_slots": self.num_slots, "slot_bytes": self.slot_bytes, "slot_specs": self.slot_specs,
                 "standin_bytes": self.standin_bytes, "quant": self.quant,
                 "predictor": None if pred is None else (type(pred).__name__, getattr(pred, "rule", None)),
-                "miss_policy": None if self.miss_policy is None else (self.miss_policy.kind, self.miss_policy.threshold),
+                "miss_policy": None if self.miss_policy is None else (self.miss_policy.kind,
+                                                                      self.miss_policy.threshold),
                 "placement": None if self.placement is None else (self.placement.mode, self.placement.host_layers,
                                                                   self.placement.transfer_s),
                 "host_time": self.host_time, "link": self.link_description, "replacement": self.config.replacement}

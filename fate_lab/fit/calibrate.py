@@ -86,7 +86,8 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`, `busy_factor`,
     `transfer_host_s`); the resident figures (medians over `RESIDENT_RUNS` generates) stay those of the first
     run, so a run that moves nothing (all experts resident) is predicted at the resident speed. `link_profile`: the
-    link the simulator will be given (default: the runtime's), against which each transfer's overshoot is measured. Give a prompt as long as the prefills to be
+    link the simulator will be given (default: the runtime's), against which each transfer's overshoot is measured.
+    Give a prompt as long as the prefills to be
     predicted: the per-token slopes are linear fits, and a 10-token prompt (about one token per expert)
     overstates a long prefill's expert time.
     """

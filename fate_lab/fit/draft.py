@@ -111,7 +111,8 @@ def init_from_target(draft, target) -> list[str]:
         raise ValueError(f"init='moe' copies the target's shared expert (width {shared}) into the draft's MLP; "
                          f"set intermediate_size={shared} or use init='random'")
     if draft.config.num_hidden_layers > tc.num_hidden_layers:
-        raise ValueError(f"the draft has {draft.config.num_hidden_layers} layers, the target only {tc.num_hidden_layers}")
+        raise ValueError(f"the draft has {draft.config.num_hidden_layers} layers, "
+                         f"the target only {tc.num_hidden_layers}")
     src = target.model
     pairs = {"model.embed_tokens.weight": src.embed_tokens.weight, "model.norm.weight": src.norm.weight}
     for i in range(draft.config.num_hidden_layers):

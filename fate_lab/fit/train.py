@@ -372,7 +372,8 @@ def _write_model_card(out_dir: Path, card: dict) -> None:
         "packages; see data/corpus/SOURCES.md).", "",
         f"- Architecture: `{card['architecture']}`, {card['parameters'] / 1e6:.1f}M parameters "
         f"({size_mb:.1f} MB of bf16 safetensors): {shape}, byte-level BPE vocab {c['vocab_size']}.",
-        f"- Training: {card['steps']} steps x {c['batch_size']} x {c['seq_len']} tokens = {card['tokens_seen']:,} tokens "
+        f"- Training: {card['steps']} steps x {c['batch_size']} x {c['seq_len']} tokens = "
+        f"{card['tokens_seen']:,} tokens "
         f"(corpus: {card['train_tokens']:,} train / {card['val_tokens']:,} held-out tokens), "
         f"{card['wall_minutes']} min on {card['machine']}, bf16 autocast, seed {c['seed']}; the weights are those "
         f"of step {card.get('best_step', card['steps'])}, the best held-out loss.",

@@ -27,7 +27,8 @@ class LinkProfile:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bandwidth, (int, float)) and math.isfinite(self.bandwidth) and self.bandwidth > 0):
-            raise ValueError(f"LinkProfile {self.name!r}: bandwidth={self.bandwidth!r} bytes/s; give a finite number > 0")
+            raise ValueError(f"LinkProfile {self.name!r}: bandwidth={self.bandwidth!r} bytes/s; "
+                             "give a finite number > 0")
         if not (isinstance(self.latency, (int, float)) and math.isfinite(self.latency) and self.latency >= 0):
             raise ValueError(f"LinkProfile {self.name!r}: latency={self.latency!r} s; give a finite number >= 0")
         if not (isinstance(self.queue_depth, int) and self.queue_depth >= 1):
@@ -74,7 +75,8 @@ LINK_PROFILES: dict[str, LinkProfile] = {
     "pcie5_x16": LinkProfile("PCIe 5.0 x16", 50.4 * GB, 10e-6, "63.0 GB/s spec x 0.8 (estimate, no measurement)"),
     "pcie5_x8": LinkProfile("PCIe 5.0 x8", 25.2 * GB, 10e-6, "31.5 GB/s spec x 0.8 (estimate)"),
     "nvme": LinkProfile("NVMe SSD (PCIe 3.0 x4)", 3.5 * GB, 100e-6, "consumer NVMe sequential read"),
-    "nvme_gen4": LinkProfile("NVMe SSD (PCIe 4.0 x4)", 3.15 * GB, 100e-6, "7 GB/s rated x 0.45 (HOBBIT's practical ~3)"),
+    "nvme_gen4": LinkProfile("NVMe SSD (PCIe 4.0 x4)", 3.15 * GB, 100e-6,
+                             "7 GB/s rated x 0.45 (HOBBIT's practical ~3)"),
     "nvme_gen5": LinkProfile("NVMe SSD (PCIe 5.0 x4)", 6.3 * GB, 100e-6, "14 GB/s rated x 0.45 (estimate)"),
     # Cloud VMs reach less of the line rate (virtualised DMA): a Colab T4 measured 9.7 GB/s pinned H2D
     # (bandwidthTest), 0.62 of PCIe 3.0 x16, which mixtral-offloading's naive T4 row implies too; Gen4 likewise

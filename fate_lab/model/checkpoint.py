@@ -222,7 +222,8 @@ class ExpertIndex:
         if src.converter is None:
             (file, key), = src.whole.values()
             return load(file, key, e)[0]
-        collected = {pat: [load(*src.per_expert[e][pat])] if pat in src.per_expert.get(e, {}) else load(*src.whole[pat], e)
+        collected = {pat: [load(*src.per_expert[e][pat])] if pat in src.per_expert.get(e, {})
+                     else load(*src.whole[pat], e)
                      for pat in src.converter.source_patterns if pat in src.whole or pat in src.per_expert.get(e, {})}
         out = _run_ops(src.converter, collected, src.target, self.model)
         (tensor,) = out.values()
@@ -238,7 +239,8 @@ class ExpertIndex:
         layout = self._layouts[m]
         if not 0 <= e < layout.num_experts:
             raise IndexError(f"expert {e} out of range: MoE layer {m} holds {layout.num_experts} experts")
-        names = [layout.up_name, "down_proj"] + ([f"{layout.up_name}_bias", "down_proj_bias"] if layout.has_bias else [])
+        biases = [f"{layout.up_name}_bias", "down_proj_bias"] if layout.has_bias else []
+        names = [layout.up_name, "down_proj"] + biases
         t = {n: self._tensor(m, e, n, load).to(self._dtypes[m][n]) for n in names}
         up, down = t[layout.up_name], t["down_proj"]
         if layout.is_transposed:
@@ -388,7 +390,8 @@ def load_without_experts(folder: str | Path, dtype: torch.dtype | None = None,
             if tensor.shape != meta_sd[key].shape:
                 raise BadCheckpointFile(
                     f"{folder}: {index.where_dense(target)} has shape {tuple(tensor.shape)}, but the model "
-                    f"that config.json describes needs {tuple(meta_sd[key].shape)} for {key}: config.json and the weights "
+                    f"that config.json describes needs {tuple(meta_sd[key].shape)} for {key}: "
+                    "config.json and the weights "
                     "are not the same model; copy config.json from the model the weights came from")
             state[key] = tensor.to(device=device, dtype=torch.float32 if key in keep_fp32 else meta_sd[key].dtype)
     model.load_state_dict(state, strict=False, assign=True)

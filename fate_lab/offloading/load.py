@@ -85,7 +85,8 @@ def load_offloaded(path: str | Path, config: OffloadConfig | None = None, dtype:
         raise ValueError(f"OffloadConfig.checkpoint={config.checkpoint!r} is not the folder opened ({path}); leave it "
                          "None, load_offloaded sets it")
     if config.auto is not None:
-        raise ValueError(f"OffloadConfig {config.name!r} plans itself from a calibration that runs every expert resident "
+        raise ValueError(f"OffloadConfig {config.name!r} plans itself from a calibration that runs every expert "
+                         "resident "
                          "and records a trace, which a model opened with load_offloaded cannot do (its experts stay on "
                          "disk): name a preset (e.g. 'fate'), or plan where the model fits in memory "
                          "(fate_lab.study.auto.plan_auto) and pass the config it returns")
@@ -96,7 +97,8 @@ def load_offloaded(path: str | Path, config: OffloadConfig | None = None, dtype:
                          f"whose transformers modeling uses the experts interface: {experts_interface_families()}")
     if report.missing:
         raise ValueError(f"{path}: the checkpoint lacks {len(report.missing)} non-expert tensors, e.g. "
-                         f"{list(report.missing[:3])}; they would run randomly initialised: use the complete checkpoint")
+                         f"{list(report.missing[:3])}; they would run randomly initialised: "
+                         "use the complete checkpoint")
     _check_dense(model, path)
     _check_expert_math(model, index)
     tokenizer = _tokenizer(path)

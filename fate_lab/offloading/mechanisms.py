@@ -2,8 +2,9 @@
 
 What this file is: `build_store` (host RAM, pinned on CUDA, or the SSD tier read from a checkpoint and checked
 against full-content digests, wrapped with packed copies when the config quantizes), `build_slots`
-(full-precision or packed device slots, as many as the core's plan counts) and `build_engine` (the instant link, an emulated link on its own thread, or the
-CUDA copy stream). What it is not: a policy (the core decided the sizes) or the runtime that wires them.
+(full-precision or packed device slots, as many as the core's plan counts) and `build_engine` (the instant link,
+an emulated link on its own thread, or the CUDA copy stream). What it is not: a policy (the core decided the sizes)
+or the runtime that wires them.
 """
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ def lru_miss_curves(experts: Tensor, num_experts: int) -> list[list[int]]:
 
     ``experts [N, L, k]``. Updates recency in the input order of a token's experts, so it equals
     a replay that touches them in that order; ``fate_lab.sim.replay`` follows the runtime's order (a
-    token's hits before its misses) and differs from it by a few misses per thousand uses. ``curves[l][c]`` = misses of layer l with c slots.
+    token's hits before its misses) and differs from it by a few misses per thousand uses. ``curves[l][c]`` =
+    misses of layer l with c slots.
     """
     ex = torch.as_tensor(experts)
     N, L, k = ex.shape

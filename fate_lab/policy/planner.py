@@ -42,7 +42,8 @@ def _check_nonneg(**kw: int) -> None:
 
 
 def min_budget(
-    dense_bytes: int, kv_bytes_per_token: int, context_len: int, expert_bytes: int, top_k: int, prefetch_buffer_experts: int,
+    dense_bytes: int, kv_bytes_per_token: int, context_len: int, expert_bytes: int, top_k: int,
+    prefetch_buffer_experts: int,
     scratch_bytes: int = 0,
 ) -> int:
     """The minimum working set in bytes: dense + KV + (top_k + prefetch buffers) experts + scratch."""
@@ -111,7 +112,8 @@ def plan_from_slots(
 
 
 def plan_offload(config, *, num_layers: int, num_experts: int, top_k: int, slot_expert_bytes: int, dense_bytes: int,
-                 kv_bytes_per_token: int, scratch_bytes: int = 0, miss_curves=None) -> tuple[MemoryPlan, list[int], int]:
+                 kv_bytes_per_token: int, scratch_bytes: int = 0,
+                 miss_curves=None) -> tuple[MemoryPlan, list[int], int]:
     """(plan, slots per MoE layer, prefetch buffers per pool) for an `OffloadConfig`: what the runtime
     allocates and the simulator models, from one function. ``miss_curves()`` supplies curves for
     allocation="miss_curve" when the config has none."""

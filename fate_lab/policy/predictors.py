@@ -266,7 +266,8 @@ def activation_matrices(experts: Tensor, prompt_id: Tensor, num_experts: int) ->
     for p in pid.unique(sorted=True).tolist():
         rows = ex[pid == p]  # (n, L, k)
         m = torch.zeros(ex.shape[1], num_experts)
-        m.scatter_add_(1, rows.permute(1, 0, 2).reshape(ex.shape[1], -1), torch.ones(ex.shape[1], rows.numel() // ex.shape[1]))
+        m.scatter_add_(1, rows.permute(1, 0, 2).reshape(ex.shape[1], -1),
+                       torch.ones(ex.shape[1], rows.numel() // ex.shape[1]))
         out.append(m)
     return torch.stack(out) if out else torch.zeros(0, ex.shape[1], num_experts)
 

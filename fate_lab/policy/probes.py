@@ -93,7 +93,8 @@ class ProbeSet:
                              f"{tuple(self.thresholds.shape)}")
         hidden = [None] * P if self.hidden_weight is None else list(zip(self.hidden_weight.float(),
                                                                          self.hidden_bias.float(), strict=False))
-        self._layers.extend(zip(hidden, self.weight.float(), self.bias.float(), strict=False))  # float32 views, made once
+        # float32 views, made once
+        self._layers.extend(zip(hidden, self.weight.float(), self.bias.float(), strict=False))
 
     @property
     def num_layers(self) -> int:

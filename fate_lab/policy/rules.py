@@ -56,7 +56,8 @@ class RouterScores:
     """Every MoE layer's router weight ``[E, H]`` (and logit bias ``[E]``, if any) in fp32 on the host, and how
     its logits become scores: the routers a trace's weights reproduce (linear ones)."""
 
-    def __init__(self, weights: Sequence[Tensor], scoring: str = "softmax", biases: Sequence[Tensor | None] | None = None):
+    def __init__(self, weights: Sequence[Tensor], scoring: str = "softmax",
+                 biases: Sequence[Tensor | None] | None = None):
         if scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
         self.weights = [w.detach().to("cpu", torch.float32) for w in weights]  # each (E, H)

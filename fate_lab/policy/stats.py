@@ -151,7 +151,8 @@ class RunStats:
     @property
     def per_layer(self) -> list[dict]:
         """`overall`'s counters for each MoE layer, with its index and cache slots."""
-        return [{"layer": m, "slots": self.slots_per_layer[m], **self._counts(layer)} for m, layer in enumerate(self.layers)]
+        return [{"layer": m, "slots": self.slots_per_layer[m], **self._counts(layer)}
+                for m, layer in enumerate(self.layers)]
 
     def rows(self) -> list[dict]:
         """One plain dict per (layer, phase), derived metrics included (for pandas)."""
@@ -176,7 +177,8 @@ class RunStats:
     def row(self, name: str = "") -> dict:
         """The one table row (`ROW_COLUMNS`) of a run: speed, hit rates, stall, bytes, prediction quality."""
         d, p = self.total("decode"), self.total("prefill")
-        n = max(1, len(self.forward_s["decode"])) if self.driver != "replay" else max(1, d.calls // max(1, len(self.layers)))
+        n = max(1, len(self.forward_s["decode"])) if self.driver != "replay" else \
+            max(1, d.calls // max(1, len(self.layers)))
         return {
             "config": name, "driver": self.driver, "slots": sum(self.slots_per_layer),
             "decode tok/s": self.decode_tok_s, "TTFT (ms)": 1e3 * self.ttft_s,
@@ -189,4 +191,5 @@ class RunStats:
         }
 
 
-ROW_COLUMNS = tuple(RunStats([], "", "", None, []).row().keys())  # the columns every run table shares (decode per token)
+# the columns every run table shares (decode per token)
+ROW_COLUMNS = tuple(RunStats([], "", "", None, []).row().keys())

@@ -132,7 +132,8 @@ def replay_jobs_fast(uses, phases=None, *, policy: str = "lru", layers: Sequence
         if predictions.offsets.shape != (L, N + 1):
             raise ValueError(f"predictions cover {predictions.offsets.shape[0]} layers x "
                              f"{predictions.offsets.shape[1] - 1} tokens, the trace {L} x {N}")
-        poff, pids, has_pred = predictions.offsets.astype(np.int64), _as_uses(predictions.ids, "predictions").astype(np.int32), True
+        poff, has_pred = predictions.offsets.astype(np.int64), True
+        pids = _as_uses(predictions.ids, "predictions").astype(np.int32)
     kw = dict(policy_kw or {})
     per_cap = {int(c): rec.params(int(c), kw, heap_above) for c in np.unique(caps)}
     prm = np.array([per_cap[int(c)][0] for c in caps], np.float64).reshape(len(caps), -1)

@@ -303,8 +303,8 @@ def sweep(experts, *, boundaries: Sequence[int], budgets: Sequence[int], num_exp
     pairs = sorted({(l, s) for b in boundaries for budget in budgets
                     for l, s in enumerate(allocation(b).allocate(budget, L, num_experts))})
     _bound(len(pairs), max_replays, "sweep")
-    memo = dict(zip(pairs, run_layers(ex, uses, preds, phases, policy, kw, pairs, prefetch_buffer, top_k, admit_prefetch,
-                                 n_jobs, fast), strict=False))
+    memo = dict(zip(pairs, run_layers(ex, uses, preds, phases, policy, kw, pairs, prefetch_buffer, top_k,
+                                      admit_prefetch, n_jobs, fast), strict=False))
     cols: dict[str, list] = {k: [] for k in ("boundary", "cache_total", "slots", "hit_rate", "hit_rate_prefill",
                                              "hit_rate_decode", "misses", "bytes_moved", "prefetch_loads",
                                              "prefetch_wasted")}

@@ -117,7 +117,8 @@ class SimLink:
         self._advance()
         spec = self.ctx.spec(m, reason)
         x = _SimTransfer(m, e, self.shape.nbytes(spec), urgent, reason, spec, self.clock.now)
-        pos = next((i for i, q in enumerate(self.queue) if not q.urgent), len(self.queue)) if urgent else len(self.queue)
+        end = len(self.queue)
+        pos = next((i for i, q in enumerate(self.queue) if not q.urgent), end) if urgent else end
         self.queue.insert(pos, x)
         self._advance()
         return x
@@ -234,7 +235,8 @@ class Simulator:
                     core.event("host", m, e, c0, clock.now)
                     self.link.evicting += comp.landed_s  # its weights streamed through the dense layers' caches
                     return
-                clock.now += comp.expert(n[e]) * self._slow() + (comp.expert_cold_s if (m, e) in self.link.fresh else 0.0)
+                cold = comp.expert_cold_s if (m, e) in self.link.fresh else 0.0
+                clock.now += comp.expert(n[e]) * self._slow() + cold
                 self.link.fresh.discard((m, e))
                 core.event("compute", m, e, c0, clock.now)
 
@@ -263,7 +265,8 @@ class Simulator:
 
 
 def trace_steps(trace: Trace) -> list[tuple[int, int]]:
-    """(start, end) rows of each forward the runtime would run: a prompt's prefill rows together, each decode row alone."""
+    """(start, end) rows of each forward the runtime would run: a prompt's prefill rows together, each decode row
+    alone."""
     phase, pid = trace.phase.tolist(), trace.prompt_id.tolist()
     steps, i, N = [], 0, len(phase)
     while i < N:

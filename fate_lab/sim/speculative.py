@@ -123,7 +123,8 @@ def verify_steps(trace: Trace, window: int, matches: torch.Tensor | None = None,
     runs = None
     if matches is not None:
         if matches.shape != (trace.num_tokens,):
-            raise ValueError(f"matches must be bool [{trace.num_tokens}] (one per trace row), got {tuple(matches.shape)}")
+            raise ValueError(f"matches must be bool [{trace.num_tokens}] (one per trace row), "
+                             f"got {tuple(matches.shape)}")
         runs = accept_runs(matches).tolist()
     steps: list[VerifyStep] = []
     for first, P, rows in prompt_rows(trace):
