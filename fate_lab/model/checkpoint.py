@@ -217,8 +217,7 @@ class ExpertIndex:
         """Expert e's part of the model tensor `name` of MoE layer m, in the module's own layout."""
         src = self._experts.get((m, name))
         if src is None:
-            raise KeyError(f"{self.folder}: no checkpoint tensor for {name} of MoE layer {m}; is this the model's "
-                           "checkpoint?")
+            raise KeyError(f"{self.folder}: no checkpoint tensor for {name} of MoE layer {m}; is this its checkpoint?")
         if src.converter is None:
             (file, key), = src.whole.values()
             return load(file, key, e)[0]
@@ -364,8 +363,8 @@ def load_without_experts(folder: str | Path, dtype: torch.dtype | None = None,
                          device: str | torch.device = "cpu") -> tuple[nn.Module, ExpertIndex, LoadReport]:
     """(model, expert index, report): every non-expert tensor loaded on device, the routed experts on meta.
 
-    The experts stay meta tensors (shape and dtype, no bytes): the model cannot run until an offloading
-    runtime serves them (from `ExpertIndex.read`); `model.to(...)` is refused by torch while they are meta.
+    The experts stay meta tensors (no bytes) until an offloading runtime serves them (`ExpertIndex.read`); torch
+    refuses `model.to(...)` while they are meta, and the model cannot run before.
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -390,9 +389,8 @@ def load_without_experts(folder: str | Path, dtype: torch.dtype | None = None,
             if tensor.shape != meta_sd[key].shape:
                 raise BadCheckpointFile(
                     f"{folder}: {index.where_dense(target)} has shape {tuple(tensor.shape)}, but the model "
-                    f"that config.json describes needs {tuple(meta_sd[key].shape)} for {key}: "
-                    "config.json and the weights "
-                    "are not the same model; copy config.json from the model the weights came from")
+                    f"that config.json describes needs {tuple(meta_sd[key].shape)} for {key}: config.json and "
+                    "the weights are not the same model; copy config.json from the model the weights came from")
             state[key] = tensor.to(device=device, dtype=torch.float32 if key in keep_fp32 else meta_sd[key].dtype)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()

@@ -72,8 +72,7 @@ class Runtime:
         hookup.check_servable(a)
         state = hookup.experts_state(a)
         if state == "empty" or (state == "meta" and index is None):
-            where = "empty" if state == "empty" else "on the meta device"
-            raise ValueError(f"{a.family}: this model's experts are {where}"
+            raise ValueError(f"{a.family}: this model's experts are {state.replace('meta', 'on the meta device')}"
                              " (no bytes: a Runtime opened with load_offloaded was closed, one was closed with "
                              "restore=False, or the model was built without weights): open it again with "
                              "fate_lab.load_offloaded(path, config), or load it again with load_model")
