@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from fate_lab.policy.compiled import next_uses as layer_next_uses
 from fate_lab.policy.kernels.record import F_ROWS, G_LEN, I_ROWS, R_LEN, S_LEN
 from fate_lab.sim.fast.dispatch import policy_access, policy_admit, policy_init, policy_observe, policy_tick
 
@@ -188,15 +189,10 @@ def run_jobs(uses, phases, poff, pids, has_pred, code, prm, iprm, layers, caps, 
 
 @njit(cache=True, parallel=True)
 def next_uses(uses):
-    """next[l, t, j]: the next token after t whose layer l uses uses[l, t, j] (N if none)."""
+    """next[l, t, j]: the next token after t whose layer l uses uses[l, t, j] (N if none): the runtime's
+    `compiled.next_uses` of each layer, the layers in parallel."""
     L, N, k = uses.shape
     out = np.empty((L, N, k), np.int32)
-    E = uses.max() + 1 if uses.size else 1
     for l in prange(L):
-        seen = np.full(E, N, np.int32)
-        for t in range(N - 1, -1, -1):
-            for j in range(k):
-                out[l, t, j] = seen[uses[l, t, j]]
-            for j in range(k):
-                seen[uses[l, t, j]] = t
+        out[l] = layer_next_uses(uses[l])
     return out
