@@ -219,7 +219,42 @@ def part1(args, folder: Path, lines: list[str]) -> dict:
               "tiny_moe's routing of the same prompts (its own predictions too) on this shape's timing: a "
               "prediction only, no runtime row measures a trained model of this size.", ""]
     return {"slots": slots, "expert_bytes": disk_bytes, "plain_tokens": plain_tokens, "prompts": prompts,
-            "layer_s": layer_s}
+            "layer_s": layer_s, "resident_tok_s": out["all_resident"]["measured"],
+            "disk": (raw_bw, link.latency, link.queue_depth)}
+
+
+def plan_mmap(folder: Path, info: dict, page_cache_bytes: float, measured_tok_s: float) -> list[str]:
+    """`plan`'s static model of the mmap row, run as the command line gives it (its disk term; the compute is
+    the measured all-resident row's, since no data sheet describes this machine's CPU), with the device's
+    read-ahead window and with single 4 KiB pages (the model it replaced)."""
+    from fate_lab.fit.disk import readahead_of
+    from fate_lab.hardware.disks import READAHEAD_BYTES
+    from fate_lab.hardware.placements import placement
+    from fate_lab.hardware.static_speed import OS_RESERVED_BYTES
+    from fate_lab.study.clock import THREADS
+    from fate_lab.study.fit import predict_placement, setting
+
+    bw, lat, qd = info["disk"]
+    ra = readahead_of(folder / "model.safetensors") or READAHEAD_BYTES
+    ram_mib = (page_cache_bytes + OS_RESERVED_BYTES) / 2**20  # plan leaves OS_RESERVED_BYTES to the OS
+    out = ["", "`plan`'s static model of the mmap row (the page cache holds the same share of every expert: no "
+           "routing locality; its disk term beside the measured all-resident compute, "
+           f"{1e3 / info['resident_tok_s']:.1f} ms per token):", "",
+           "| read-ahead window | command | page cache share | disk ms per token | predicted tok/s | measured | "
+           "pred/meas |", "|---|---|---|---|---|---|---|"]
+    for window in (ra, 4096):
+        spec = f"bw={bw / 1e9:.3f}GBps,lat={lat * 1e6:.0f}us,qd={qd},ra={window >> 10}KiB"
+        cmd = (f"plan --model {folder} --device none --cpu-only --host ddr4-3200x1,cores={THREADS} "
+               f"--host-ram {ram_mib:.0f}MiB --disk {spec} --weights bf16")
+        s = setting(str(folder), None, f"ddr4-3200x1,cores={THREADS}", "llama.cpp", "bf16", None,
+                    f"{ram_mib:.0f}MiB", spec)
+        pr = predict_placement(s, placement(cpu_only=True))
+        disk_s = pr.parts_ms["disk"] / 1e3
+        tok_s = 1.0 / (1.0 / info["resident_tok_s"] + disk_s)
+        what = f"{window >> 10} KiB (this disk's read_ahead_kb)" if window == ra else "4 KiB (single pages)"
+        out.append(f"| {what} | `{cmd}` | {pr.resident_share:.1%} | {disk_s * 1e3:.0f} | {tok_s:.2f} | "
+                   f"{measured_tok_s:.2f} | {tok_s / measured_tok_s:.2f} |")
+    return out
 
 
 def _differs(cfg, request) -> str:
@@ -361,6 +396,9 @@ def part2(args, folder: Path, info: dict, lines: list[str]) -> None:
         lines.append(f"| {label[m]} | {statistics.median(tok_s):.2f} [{min(tok_s):.2f}-{max(tok_s):.2f}] | "
                      f"{med['ttft_ms']:.0f} | {med['setup_mb']:.0f} | {med['cap_mb']:.0f} | {med['peak_mb']:.0f} | "
                      f"{med['majflt']:.0f} | {med['cached']:.1%} | {'yes' if same else 'NO'} |")
+    mm = runs["mmap"]
+    page_cache = statistics.median((x["cap_mb"] - x["setup_mb"]) * 2**20 for x in mm)
+    lines += plan_mmap(folder, info, page_cache, statistics.median(x["tok_s"] for x in mm))
     lines.append("")
 
 

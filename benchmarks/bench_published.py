@@ -97,8 +97,11 @@ CASES = [
          "i9_10900x"), note="DeepSeek-Coder-V2-Lite, the DeepSeek-V2-Lite shape"),
     Case("moefit_validation_395_qwen3coder", _cmd("Qwen3-30B-A3B", "none", "--weights q4_k_m --cpu-only --host "
          "ryzen_ai_max_395 --host-ram 14GiB --disk nvme_gen4"),
-         note="a thrashing mmap reads 4 KiB pages, 16 in flight at the data sheet's ~100 us: 0.6 GB/s; the run's "
-              "0.3 tok/s means ~0.17 GB/s, i.e. fewer reads in flight or a slower access under load"),
+         note="we read the missing experts in the kernel's 128 KiB read-ahead windows (as this machine's mmap run "
+              "read its experts in 8 MiB windows: benchmarks/results/big_disk_*.md), 16 in flight: the disk's "
+              "3.2 GB/s. The run's 0.3 tok/s means ~0.12 GB/s, single 4 KiB pages with few in flight: the "
+              "kernel's read-around switched off (it stops it for a file whose faults keep missing their "
+              "windows), which a static plan cannot foresee"),
     Case("fiddler_abstract", _cmd("Mixtral-8x7B-v0.1", "quadro_rtx6000", "--weights bf16 --n-cpu-moe 25 --host "
          "xeon_gold_6126"), routing="Fiddler keeps 56 popular experts on the GPU (25.2% hit rate); taken here as "
          "7 layers' 56 experts (a 25% share), which llama.cpp's kernels compute",

@@ -141,8 +141,10 @@ def _cmd_calibrate_disk(args: argparse.Namespace) -> None:
     print(f"{'read':>8} {'queue':>5} {'ms/read':>8} {'GB/s':>6}")
     for s in samples:
         print(f"{s.size >> 10:>6}Ki {s.queue_depth:>5} {s.seconds / s.reads * 1e3:>8.3f} {s.throughput / 1e9:>6.2f}")
-    print(f"LinkProfile({profile.name!r}, bandwidth={profile.bandwidth / 1e9:.3g}e9, latency={profile.latency:.3g}, "
-          f"queue_depth={profile.queue_depth})")
+    print(f"Disk({profile.name!r}, bandwidth={profile.bandwidth / 1e9:.3g}e9, latency={profile.latency:.3g}, "
+          f"queue_depth={profile.queue_depth}, readahead={profile.readahead})")
+    print(f"as plan's --disk: bw={profile.bandwidth / 1e9:.3g}GBps,lat={profile.latency * 1e6:.0f}us,"
+          f"qd={profile.queue_depth},ra={profile.readahead >> 10}KiB")
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -5,7 +5,8 @@ bypassed, `offloading/direct.py`) for each read size and queue depth (that many 
 and `fit_disk(samples)` fits `hardware.links.LinkProfile`'s model to them by least squares: at queue depth 1
 a read takes latency + bytes / bandwidth; deeper queues overlap the latencies, not the bandwidth
 (`LinkProfile.stream_bandwidth`). `calibrate_disk(path)` does both and picks the queue depth that reads an
-expert-sized block fastest. `python -m fate_lab calibrate-disk [PATH]` prints the result.
+expert-sized block fastest, and reads the device's read-ahead window (`readahead_of`: what an mmap fault reads,
+from /sys/dev/block). `python -m fate_lab calibrate-disk [PATH]` prints the result.
 What it is not: a benchmark of the runtime (`benchmarks/bench_disk.py` is), and no reading through the page
 cache: a file system that refuses O_DIRECT is an error, not a fallback.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fate_lab.hardware.links import LinkProfile
+from fate_lab.hardware.disks import READAHEAD_BYTES, Disk
 from fate_lab.offloading.direct import ALIGN, aligned_buffer, open_direct
 
 SIZES = (64 << 10, 192 << 10, 384 << 10, 1 << 20, 4 << 20)  # bytes per read: around the embedded experts' sizes
@@ -87,11 +88,25 @@ def _timed_reads(path: Path, size: int, offsets: list[int], qd: int) -> float:
     return time.perf_counter() - t0
 
 
-def fit_disk(samples: list[DiskSample], read_bytes: int, name: str = "disk") -> LinkProfile:
-    """The LinkProfile these samples fit. Bandwidth: the best throughput of reads of 1 MiB or more at any queue
-    depth (where latency no longer matters); latency: the least-squares fixed time per read at queue depth 1
-    given that bandwidth (the mean of seconds per read minus bytes / bandwidth); queue depth: the one that
-    streams read_bytes-sized reads fastest (measured)."""
+def readahead_of(path: str | Path) -> int | None:
+    """The read-ahead window (bytes) of the block device that holds path: its queue's read_ahead_kb (a partition's
+    is its disk's); None where path is on no block device (tmpfs, a network file system) or sysfs says nothing."""
+    st = os.stat(path)
+    dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    for queue in (dev / "queue", dev / ".." / "queue"):
+        try:
+            return int((queue / "read_ahead_kb").read_text().strip()) << 10
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def fit_disk(samples: list[DiskSample], read_bytes: int, name: str = "disk",
+             readahead: int = READAHEAD_BYTES) -> Disk:
+    """The `Disk` these samples fit, with the given read-ahead window. Bandwidth: the best throughput of reads of
+    1 MiB or more at any queue depth (where latency no longer matters); latency: the least-squares fixed time per
+    read at queue depth 1 given that bandwidth (the mean of seconds per read minus bytes / bandwidth); queue
+    depth: the one that streams read_bytes-sized reads fastest (measured)."""
     one = [s for s in samples if s.queue_depth == 1]
     big = [s for s in samples if s.size >= 1 << 20]
     if not one or not big:
@@ -100,12 +115,13 @@ def fit_disk(samples: list[DiskSample], read_bytes: int, name: str = "disk") -> 
     latency = float(np.mean([s.seconds / s.reads - s.size / bandwidth for s in one]))
     near = min({s.size for s in samples}, key=lambda size: abs(size - read_bytes))
     best = max((s for s in samples if s.size == near), key=lambda s: s.throughput)
-    return LinkProfile(name, float(bandwidth), max(0.0, latency),
-                       f"O_DIRECT random reads measured on this machine ({len(samples)} samples, fit_disk)",
-                       queue_depth=best.queue_depth)
+    return Disk(name, float(bandwidth), max(0.0, latency),
+                f"O_DIRECT random reads measured on this machine ({len(samples)} samples, fit_disk)",
+                queue_depth=best.queue_depth, readahead=max(4096, readahead))
 
 
-def calibrate_disk(path: str | Path, read_bytes: int = 384 << 10, **kwargs) -> tuple[LinkProfile, list[DiskSample]]:
-    """Measure path's disk and fit it: (LinkProfile, samples)."""
+def calibrate_disk(path: str | Path, read_bytes: int = 384 << 10, **kwargs) -> tuple[Disk, list[DiskSample]]:
+    """Measure path's disk and fit it: (Disk, samples); its read-ahead window is the device's (`readahead_of`),
+    Linux's default where sysfs does not say."""
     samples = measure_disk(path, **kwargs)
-    return fit_disk(samples, read_bytes), samples
+    return fit_disk(samples, read_bytes, readahead=readahead_of(path) or READAHEAD_BYTES), samples

@@ -7,7 +7,7 @@ placed decode token reads exactly its own top-k experts in every MoE layer, so i
 
     decode token = sum over layers of  bytes read on the GPU / (GPU bandwidth x its efficiency)
                                     +  bytes read by the CPU / (the engine's CPU bandwidth on this host)
-                                    +  bytes not resident in RAM / (the disk's rate at the read size)
+                                    +  bytes not resident in RAM / (the disk's rate at its read-ahead window)
                                     +  the engine's fixed time per layer (+ a hop where experts run on the CPU)
 
 A prompt runs in batches of `UBATCH` tokens: the GPU's layers at the larger of their bytes and their FLOPs; the
@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fate_lab.hardware.devices import DeviceSpec
-from fate_lab.hardware.disks import MMAP_READ_BYTES
+from fate_lab.hardware.disks import READAHEAD_BYTES
 from fate_lab.hardware.engines import PREFILL_STREAM_MIN_BATCH, UBATCH, Engine
 from fate_lab.hardware.formats import WeightFormat
 from fate_lab.hardware.host_specs import HostSpec
@@ -112,11 +112,24 @@ def memory(d: Deployment) -> tuple[float, float]:
     return gpu, cpu
 
 
-def _disk_bandwidth(d: Deployment, read_bytes: float) -> float:
+def _readahead(d: Deployment) -> int:
+    return int(getattr(d.disk, "readahead", READAHEAD_BYTES))
+
+
+def _disk_bandwidth(d: Deployment) -> float:
+    """The disk's rate for faults on a mapping: one read per read-ahead window, one fault in flight per core (a
+    faulting thread waits for its read)."""
     if d.disk is None:
         return 0.0
     qd = min(d.disk.queue_depth, d.host.cores * d.host.sockets)
-    return dataclasses.replace(d.disk, queue_depth=max(1, qd)).stream_bandwidth(max(1, int(read_bytes)))
+    return dataclasses.replace(d.disk, queue_depth=max(1, qd)).stream_bandwidth(_readahead(d))
+
+
+def mmap_read_bytes(nbytes: float, readahead: int) -> float:
+    """Bytes the kernel reads to fault in one contiguous run of nbytes (one expert) through a mapping: the first
+    fault's window is centred on it (half of it before the run, `disks.READAHEAD_BYTES`), later windows follow
+    the run; a run smaller than a window costs the whole window."""
+    return max(float(readahead), nbytes + readahead / 2)
 
 
 def predict(d: Deployment) -> StaticPrediction:
@@ -147,6 +160,7 @@ def predict(d: Deployment) -> StaticPrediction:
     cbw = eng.cpu_bandwidth(d.host.socket_bandwidth(), d.host.sockets, d.host.cores)
     t = dict(gpu=0.0, cpu=0.0, disk=0.0, fixed=0.0)
     cpu_read = 0.0
+    cpu_faulted = 0.0  # bytes the disk reads for the CPU's share when none is resident (mmap_read_bytes)
     for i, (dense_gpu, exp_gpu) in enumerate(lay.layers):
         lp = p.layers[i]
         dense = p.dense_bytes(fmt, i) + lp.kv_bytes_per_token * d.prompt
@@ -156,19 +170,22 @@ def predict(d: Deployment) -> StaticPrediction:
             t["gpu"] += dense / gbw
         else:
             cpu_read += dense
+            cpu_faulted += dense
         if unified or (has_gpu and exp_gpu):
             t["gpu"] += experts / gbw
         else:
             cpu_read += experts
+            cpu_faulted += min(p.top_k, lp.experts) * mmap_read_bytes(p.expert_bytes(fmt, i), _readahead(d))
         t["fixed"] += eng.layer_s + (eng.hop_s if on_gpu and not unified and lp.experts and not exp_gpu else 0.0)
     head = p.head_bytes(fmt)
     if unified or (has_gpu and lay.head_on_gpu):
         t["gpu"] += head / gbw
     else:
         cpu_read += head
+        cpu_faulted += head
     t["cpu"] += cpu_read * resident / cbw
-    if resident < 1.0:
-        t["disk"] += cpu_read * (1 - resident) / _disk_bandwidth(d, MMAP_READ_BYTES)
+    if resident < 1.0:  # the page cache holds `resident` of every piece (no routing locality: a static plan)
+        t["disk"] += cpu_faulted * (1 - resident) / _disk_bandwidth(d)
     decode_s = sum(t.values())
     bound = {"gpu": "GPU memory bandwidth", "cpu": "CPU memory bandwidth" if cbw < eng.cpu_core_bps * d.host.cores
              * d.host.sockets * 0.999 else "CPU cores", "disk": "disk reads", "fixed": "per-layer fixed costs"}[
@@ -185,7 +202,8 @@ def _prefill_s(d: Deployment, lay, has_gpu: bool, unified: bool, resident: float
     crate = d.host.flops(d.host.sockets) * eng.cpu_flops_eff
     link = d.link or (LINK_PROFILES.get(d.device.host_link) if d.device is not None else None)
     link_bw = link.bandwidth if link is not None else 0.0
-    disk_bw = _disk_bandwidth(d, MMAP_READ_BYTES) if resident < 1.0 else 0.0
+    disk_bw = _disk_bandwidth(d) if resident < 1.0 else 0.0
+    ra = _readahead(d)
     total, left = 0.0, d.prompt
     while left > 0:
         u = min(UBATCH, left)
@@ -193,18 +211,20 @@ def _prefill_s(d: Deployment, lay, has_gpu: bool, unified: bool, resident: float
         stream = has_gpu and not unified and eng.prefill_stream and u >= PREFILL_STREAM_MIN_BATCH
         for i, (dense_gpu, exp_gpu) in enumerate(lay.layers):
             lp = p.layers[i]
-            pieces = [(p.dense_bytes(fmt, i), 2.0 * lp.dense_params() * u, unified or (has_gpu and dense_gpu)),
-                      (lp.experts * p.expert_bytes(fmt, i), 2.0 * lp.expert_params() * min(lp.experts, p.top_k) * u,
-                       unified or (has_gpu and exp_gpu))]
-            for nbytes, flops, on_gpu in pieces:
+            eb = p.expert_bytes(fmt, i)
+            pieces = [(p.dense_bytes(fmt, i), p.dense_bytes(fmt, i), 2.0 * lp.dense_params() * u,
+                       unified or (has_gpu and dense_gpu)),
+                      (lp.experts * eb, lp.experts * mmap_read_bytes(eb, ra) if eb else 0.0,
+                       2.0 * lp.expert_params() * min(lp.experts, p.top_k) * u, unified or (has_gpu and exp_gpu))]
+            for nbytes, faulted, flops, on_gpu in pieces:
                 if nbytes == 0:
                     continue
                 if on_gpu:
                     total += max(nbytes / gbw, flops / grate)
                 elif stream:  # the weights cross the link (from disk first where RAM does not hold them)
-                    total += nbytes / link_bw + flops / grate + (nbytes * (1 - resident) / disk_bw if disk_bw else 0)
+                    total += nbytes / link_bw + flops / grate + (faulted * (1 - resident) / disk_bw if disk_bw else 0)
                 else:
-                    total += max(nbytes * resident / cbw + (nbytes * (1 - resident) / disk_bw if disk_bw else 0),
+                    total += max(nbytes * resident / cbw + (faulted * (1 - resident) / disk_bw if disk_bw else 0),
                                  flops / crate)
             total += eng.layer_s
         total += p.head_bytes(fmt) / (gbw if has_gpu and lay.head_on_gpu else cbw)

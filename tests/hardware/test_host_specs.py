@@ -2,7 +2,7 @@
 import pytest
 
 from fate_lab.hardware.devices import device
-from fate_lab.hardware.disks import disk
+from fate_lab.hardware.disks import DISKS, disk
 from fate_lab.hardware.host_specs import HOSTS, host_spec, parse_ram
 
 
@@ -42,3 +42,21 @@ def test_a_disk_streams_at_the_rate_its_read_size_allows():
     assert disk("nvme_gen4").queue_depth == 32
     with pytest.raises(ValueError, match=r"^--disk 'fast'"):
         disk("fast")
+
+
+def test_a_disk_spec_names_its_read_ahead_window():
+    assert disk("bw=3.5GBps").readahead == 128 << 10  # Linux's default read_ahead_kb
+    assert disk("bw=3.5GBps,ra=8MiB").readahead == 8 << 20
+    assert disk("bw=3.5GBps,ra=512KiB").readahead == 512 << 10
+    assert all(d.readahead == 128 << 10 for d in DISKS.values())
+    for bad in ("bw=3.5GBps,ra=8", "bw=3.5GBps,ra=1KiB", "bw=3.5GBps,ra=8GBps"):
+        with pytest.raises(ValueError, match=r"^--disk 'bw=3.5GBps,ra="):
+            disk(bad)
+
+
+def test_the_read_ahead_window_of_a_file_comes_from_its_block_device(tmp_path):
+    from fate_lab.fit.disk import readahead_of
+
+    assert readahead_of("/proc/self/status") is None  # no block device under /proc
+    ra = readahead_of(tmp_path)
+    assert ra is None or (ra >= 0 and ra % 1024 == 0)

@@ -4,13 +4,14 @@ import dataclasses
 import pytest
 
 from fate_lab.hardware.devices import DEVICES, DeviceSpec
+from fate_lab.hardware.disks import Disk
 from fate_lab.hardware.engines import ENGINES, Engine
 from fate_lab.hardware.formats import FORMATS
 from fate_lab.hardware.host_specs import HostSpec
 from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.params import LayerParams, ModelParams
 from fate_lab.hardware.placements import ALL, Placement
-from fate_lab.hardware.static_speed import Deployment, predict
+from fate_lab.hardware.static_speed import Deployment, mmap_read_bytes, predict
 
 LAYER = LayerParams((("attn_q", 1000),), experts=4, expert_gate_up=200, expert_down=100)
 TOY = ModelParams("toy", (LAYER, LAYER), embed=500, head=500, other=0, top_k=2, hidden=10)
@@ -36,15 +37,32 @@ def test_a_decode_token_by_hand():
     assert r.flags == "-ngl 999 --cpu-moe" and r.fits
 
 
-def test_weights_beyond_ram_stream_from_disk_at_the_page_size():
-    disk = LinkProfile("toy disk", 1e9, 1e-4, queue_depth=4)
+def test_weights_beyond_ram_stream_from_disk_in_read_ahead_windows():
+    disk = Disk("toy disk", 1e9, 1e-4, queue_depth=4, readahead=8192)
     host = dataclasses.replace(HOST, ram_gib=1.0)  # 1 GiB minus the OS's 2 GiB: nothing resident
     r = predict(dataclasses.replace(_toy(Placement(cpu_moe=True), disk=disk), host=host))
-    page = 4096 / (1e-4 + 4096 / 1e9)  # one core faults one 4 KiB page at a time
-    assert r.resident_share == 0 and r.parts_ms["disk"] == pytest.approx(1e3 * 2400 / page)
+    # 2 layers x top-2 experts of 600 bytes, each smaller than a window: a whole 8 KiB window read per expert,
+    # one core faulting one window at a time
+    window = 8192 / (1e-4 + 8192 / 1e9)
+    assert r.resident_share == 0 and r.parts_ms["disk"] == pytest.approx(1e3 * 4 * 8192 / window)
     assert r.decode_bound == "disk reads"
     no_disk = predict(dataclasses.replace(_toy(Placement(cpu_moe=True)), host=host))
     assert not no_disk.fits and no_disk.decode_tok_s is None and "no --disk" in no_disk.why
+
+
+def test_a_fault_reads_the_window_around_it():
+    # a run larger than the window: its bytes and the half window before its start (the read-around is centred
+    # on the first fault); a run smaller than the window: the whole window
+    assert mmap_read_bytes(1_000_000, 128 << 10) == 1_000_000 + (64 << 10)
+    assert mmap_read_bytes(3000, 128 << 10) == 128 << 10
+    # the same weights with larger windows: fewer, larger reads, so a latency-bound disk streams them faster
+    host = dataclasses.replace(HOST, ram_gib=1.0)
+    big = LayerParams((("attn_q", 1000),), experts=4, expert_gate_up=2_000_000, expert_down=1_000_000)
+    model = ModelParams("big", (big, big), embed=500, head=500, other=0, top_k=2, hidden=10)
+    parts = [predict(Deployment(model, FORMATS["bf16"], Placement(cpu_moe=True), DEV, host, ENG, LINK,
+                                disk=Disk("d", 1e9, 1e-3, readahead=ra))).parts_ms["disk"]
+             for ra in (4096, 128 << 10, 8 << 20)]
+    assert parts[0] > parts[1] > parts[2]
 
 
 def test_llama_cpp_placement_rule():
