@@ -229,10 +229,9 @@ def plan_mmap(folder: Path, info: dict, page_cache_bytes: float, measured_tok_s:
     read-ahead window and with single 4 KiB pages (the model it replaced)."""
     from fate_lab.fit.disk import readahead_of
     from fate_lab.hardware.disks import READAHEAD_BYTES
-    from fate_lab.hardware.placements import placement
     from fate_lab.hardware.static_speed import OS_RESERVED_BYTES
     from fate_lab.study.clock import THREADS
-    from fate_lab.study.fit import predict_placement, setting
+    from fate_lab.study.fit import placement, predict_placement, setting
 
     bw, lat, qd = info["disk"]
     ra = readahead_of(folder / "model.safetensors") or READAHEAD_BYTES
