@@ -10,8 +10,8 @@ What this file is:
   transfers from one queue (urgent ones first), each reads its expert from the disk and copies it into its
   slot. Nothing sleeps: the time a transfer takes is the disk's.
 What it is not: no emulation (the link profile only sizes the queue and the prefetch budget), no page-cache
-reader (a buffered read would time memory, not the disk), and it keeps no packed copies on disk: quantized
-presets move packed copies held in RAM (`store.QuantizedStore`), so only full-precision reads hit the disk.
+reader (a buffered read would time memory, not the disk), and no packed copies: a quantized preset reads them
+from the file `packed_file.DiskQuantizedStore` writes once, with the same O_DIRECT reads.
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from fate_lab.hardware.setups import is_scaled
 from fate_lab.model.adapters import MoEAdapter
 from fate_lab.model.checkpoint import ExpertIndex
 from fate_lab.offloading.disk import DiskLink, DiskStore
+from fate_lab.offloading.packed_file import DiskQuantizedStore
 from fate_lab.offloading.slots import DeviceSlots, FullSlots, PackedSlots
 from fate_lab.offloading.store import HostStore, QuantizedStore, RamStore, SafetensorsStore
 from fate_lab.offloading.transfer import CudaCopyEngine, EmulatedLink, InstantLink, TransferEngine
@@ -39,7 +40,10 @@ def build_store(core: DriverCore, adapter: MoEAdapter, device: torch.device, ind
         base = tier.open(adapter, cfg.checkpoint if index is None else index.folder, index=index)
     if core.quant is None:
         return base
-    return QuantizedStore(base, [core.quant.host_specs(m) for m in range(adapter.num_moe_layers)], pin=pin)
+    specs = [core.quant.host_specs(m) for m in range(adapter.num_moe_layers)]
+    if base.tier == "disk":  # packed once into a file, so a quantized load reads its fewer bytes from the disk
+        return DiskQuantizedStore(base, specs)
+    return QuantizedStore(base, specs, pin=pin)
 
 
 def build_slots(core: DriverCore, dtype: torch.dtype, device: torch.device) -> DeviceSlots:

@@ -73,14 +73,24 @@ def test_every_lossless_preset_keeps_the_plain_tokens_reading_from_disk(name):
 
 @pytest.mark.slow  # quantizing every expert at offload: minutes on this machine
 @pytest.mark.parametrize("preset", ["fate_quant"])  # lru_quant packs the same way: one is the check
-def test_quantized_presets_run_over_the_disk_link(preset):
+def test_quantized_presets_read_their_packed_copies_from_disk(preset, tmp_path, monkeypatch):
+    monkeypatch.setenv("FATE_LAB_CACHE", str(tmp_path))
     model, _ = load_model("tiny_moe")
     ids = prompt_ids(model.config.vocab_size)
     over = {"link": "instant", "store": "ssd", "checkpoint": str(model_dir("tiny_moe")), "slots": 8}
-    with offload(model, OffloadConfig.preset(preset, **over)):
-        want = greedy(model, ids, N)[0]  # the same quantized run over the SSD tier without the disk link
-    with offload(model, _disk(model_dir("tiny_moe"), preset, slots=8)):
+    with offload(model, OffloadConfig.preset(preset, **over)) as rt:
+        want = greedy(model, ids, N)[0]  # the same quantized run with the packed copies in RAM
+        in_ram = rt.store.nbytes_at(0, 0, rt.core.quant.host_specs(0)[-1])
+    with offload(model, _disk(model_dir("tiny_moe"), preset, slots=8)) as rt:
         assert torch.equal(greedy(model, ids, N)[0], want)
+        (packed,) = (tmp_path / "packed").glob("experts-*.bin")  # written once, on the disk
+        assert rt.store.file.path == packed
+        spec = rt.core.quant.host_specs(0)[-1]
+        assert rt.store.nbytes_at(0, 0, spec) == in_ram < rt.expert_bytes  # a load reads the packed bytes
+        stamp = packed.stat().st_mtime_ns
+    with offload(model, _disk(model_dir("tiny_moe"), preset, slots=8)) as rt:  # found again, not rewritten
+        assert torch.equal(greedy(model, ids, N)[0], want)
+    assert packed.stat().st_mtime_ns == stamp and len(list((tmp_path / "packed").iterdir())) == 2
 
 
 def test_fused_transposed_experts_are_read_by_their_byte_ranges(tmp_path, tiny_models):
