@@ -3,8 +3,9 @@
 What this file is: `calibrate_compute`, which runs the real runtime (every expert resident over
 an instant link, then the `fate` preset over an emulated link) with its timeline on, and reads
 off what the timed simulator needs: per-layer dense time, per-expert compute, the experts call's
-bookkeeping, the host-side prediction, and what the CPU emulation costs (cold experts, cache
-pollution by the link's copies, the worker's sleep overshoot, the waiting thread's wake-up).
+bookkeeping, the host-side prediction, what the CPU emulation costs (cold experts, cache
+pollution by the link's copies, the worker's sleep overshoot, the waiting thread's wake-up), and the dequantize
+a packed slot pays before each compute (the runtime's own, timed on one of the model's experts at INT4).
 What it is not: the simulator (`simulate.py`), which only reads the profile.
 """
 from __future__ import annotations
@@ -91,11 +92,17 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     predicted: the per-token slopes are linear fits, and a 10-token prompt (about one token per expert)
     overstates a long prefill's expert time.
     """
+    from fate_lab.model.adapters import adapt
     from fate_lab.offloading.runtime import offload
+    from fate_lab.offloading.slots import dequantize_s
+    from fate_lab.quant import QuantSpec
+    from fate_lab.quant.experts import pack_expert
 
+    dequant = dequantize_s(pack_expert(adapt(model).expert(0, 0), QuantSpec.preset("int4")))
     cfg = OffloadConfig.preset("fate", all_resident=True, link="instant", quant=quant)
     runs = []
     with offload(model, cfg) as rt:
+        packed = rt.core.spec(0, "cache") is not None  # every resident slot packed: its computes dequantized
         model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)  # warm-up
         M, L, T = rt.adapter.num_moe_layers, len(getattr(model, "model", model).layers), prompt_ids.shape[1]
         for _ in range(RESIDENT_RUNS):  # each figure is the median over these runs: a busy spell hits one
@@ -104,6 +111,8 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
             runs.append(_resident_figures(rt.stats, M, L, T, rt.top_k))
     dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok = (
         med([r[i] for r in runs]) for i in range(7))
+    if packed:  # the measured expert time holds the dequantize, which the simulator charges apart (dequant_s)
+        expert_s = max(0.0, expert_s - dequant)
     cold = landed = extra = wake = queued = 0.0
     demand_extra = None
     busy = 1.0
@@ -149,7 +158,8 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
         d2, n2 = st2.total("decode"), len(st2.forward_s["decode"])
         moved = d2.bytes_moved / rt.expert_bytes / n2  # transfers per decode token
         busy_expert = med(warm_c)  # a warm expert's compute while the link copies
-        busy = max(1.0, busy_expert / expert_s) if busy_expert and expert_s else 1.0
+        base = expert_s + (dequant if packed else 0.0)  # a warm expert's own time, its dequantize included
+        busy = max(1.0, busy_expert / base) if busy_expert and base else 1.0
         cold = max(0.0, med(cold_c) - busy_expert) if busy_expert else 0.0
         in_calls2 = (sum(warm_c) + sum(cold_c) + sum(pred2[M - 1:]) + d2.stall_s) / n2
         # what the calls spent beyond their pieces, less the resident run's bookkeeping slowed by the busy link:
@@ -161,7 +171,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok,
                           expert_cold_s=cold, landed_s=landed, link_extra_s=max(0.0, extra), wake_s=wake,
                           demand_extra_s=demand_extra,
-                          busy_factor=busy, transfer_host_s=queued,
+                          busy_factor=busy, transfer_host_s=queued, dequant_s=dequant,
                           source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime (all resident, "
                           f"instant link, {new_tokens} tokens, quant={quant}"
                           + (f"; cold experts, the busy link's slow-down and per-transfer time over {link}" if link

@@ -40,6 +40,9 @@ class ComputeProfile:
     # link is copying (CPU emulation: the copy thread shares the memory bus and the interpreter lock); 1 on a GPU
     transfer_host_s: float = 0.0  # the compute thread's own time per transfer it queues (slot bookkeeping,
     # handing the copy to the link, reaping it); ~0 on a GPU next to a layer's compute
+    dequant_s: float = 0.0  # one packed expert dequantized into the full-precision scratch before it computes (each
+    # compute from a packed slot): the runtime's own dequantize timed on this machine at INT4 (fit/calibrate.py);
+    # 0 in the data-sheet GPU profiles, which no measurement of it backs
 
     def __post_init__(self) -> None:
         for f in fields(self):

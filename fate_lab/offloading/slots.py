@@ -136,6 +136,24 @@ def _dequantize_into(q: QuantizedTensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_((codes * scale + zero).view(out.shape))
 
 
+def dequantize_s(packed, reps: int = 30) -> float:
+    """Median seconds of what every compute from a packed slot pays first (`PackedSlots.weights`): both projections
+    of one packed expert (`quant.PackedExpert`) dequantized into full-precision scratch tensors, on this thread."""
+    import time
+
+    outs = [torch.empty(q.shape, dtype=torch.float32, device=q.packed.device) for q in (packed.gate_up, packed.down)]
+    times = []
+    for _ in range(reps + 3):
+        t0 = time.perf_counter()
+        _dequantize_into(packed.gate_up, outs[0])
+        _dequantize_into(packed.down, outs[1])
+        if outs[0].device.type == "cuda":
+            torch.cuda.synchronize(outs[0].device)
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[3:])  # the first calls allocate
+    return times[len(times) // 2]
+
+
 class PackedSlots(DeviceSlots):
     """Device slots that hold experts in their packed form: one uint8 pool [S, slot_bytes].
 

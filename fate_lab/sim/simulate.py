@@ -77,6 +77,7 @@ class SimLink:
         self.wire_free = 0.0  # when the bytes of the transfers started so far have all moved
         self.fresh: set[tuple[int, int]] = set()  # (layer, expert) whose bytes landed since it last computed
         self.evicting = 0.0  # landed_s owed by the next dense layer (`Simulator._dense`)
+        self.slot_spec: dict[int, QuantSpec | None] = {}  # the precision each slot's last transfer brought
 
     def _time(self, nbytes: int, urgent: bool = False) -> float:
         return 0.0 if self.link is None else self.link.transfer_time(nbytes) + self.compute.transfer_extra(urgent)
@@ -116,6 +117,7 @@ class SimLink:
         self.clock.now += self.compute.transfer_host_s
         self._advance()
         spec = self.ctx.spec(m, reason)
+        self.slot_spec[slot] = spec  # what the slot holds once these bytes land (compute waits for them)
         x = _SimTransfer(m, e, self.shape.nbytes(spec), urgent, reason, spec, self.clock.now)
         end = len(self.queue)
         pos = next((i for i, q in enumerate(self.queue) if not q.urgent), end) if urgent else end
@@ -189,7 +191,8 @@ class Simulator:
         self.clock = SimClock()
         self.link = SimLink(self.core, self.clock, self.hw.link, self.hw.compute, shape)
         self.cache = self.core.build_cache(self.link)
-        self.core.preload()  # all_resident: marked resident before the first token, nothing moves
+        for m, _e, slot in self.core.preload():  # all_resident: marked resident before the first token, nothing moves
+            self.link.slot_spec[slot] = self.core.spec(m, "cache")  # at the cache's precision, as the runtime loads
 
     def _slow(self) -> float:
         """The compute profile's slow-down of a compute piece that starts now (`ComputeProfile.busy_factor`)."""
@@ -236,6 +239,8 @@ class Simulator:
                     self.link.evicting += comp.landed_s  # its weights streamed through the dense layers' caches
                     return
                 cold = comp.expert_cold_s if (m, e) in self.link.fresh else 0.0
+                if self.link.slot_spec.get(slot) is not None:  # a packed slot: dequantized first, at every use
+                    clock.now += comp.dequant_s * self._slow()
                 clock.now += comp.expert(n[e]) * self._slow() + cold
                 self.link.fresh.discard((m, e))
                 core.event("compute", m, e, c0, clock.now)

@@ -110,3 +110,15 @@ def _host_computations(trace, shape) -> int:
 def test_a_busy_factor_below_one_is_refused():
     with pytest.raises(ValueError, match="busy_factor=0.5"):
         ComputeProfile("bad", 1e-3, 0.0, 1e-4, 0.0, 0.0, 0.0, busy_factor=0.5)
+
+
+@pytest.mark.parametrize("quant", ["int4", "fate", None])
+def test_a_packed_slot_pays_its_dequantize_at_every_compute(setup, quant):
+    trace, shape = setup  # every expert resident over an instant link: each compute is from a slot, none moves
+    cfg = OffloadConfig.preset("all_resident", quant=quant)
+    hw = Hardware(BASE, LinkProfile("instant", 1e30, 0.0))
+    base = simulate(trace, cfg, hw, shape)
+    dq = simulate(trace, cfg, dataclasses.replace(hw, compute=dataclasses.replace(BASE, dequant_s=1e-3)), shape)
+    computes = sum(layer[p].uses for layer in dq.layers for p in ("prefill", "decode"))
+    packed = quant is not None  # int4 and fate keep the cache at INT4; no quant: full-precision slots
+    assert _total(dq) - _total(base) == pytest.approx(1e-3 * computes if packed else 0.0, rel=1e-9, abs=1e-12)
