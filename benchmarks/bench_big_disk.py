@@ -334,7 +334,8 @@ def _child(mode: str, folder: Path, cgroup: str, budget: int, prompts: list, new
         raise RuntimeError(f"{cached0:.0%} of the checkpoint stays in the page cache after the drop: another process "
                            "maps it, so this run would not start cold")
     setup = int((cg / "memory.usage_in_bytes").read_text())
-    cap = setup + budget + HEADROOM
+    # the same cap for every mode: the runtime's slots (the budget) are written at offload, so its setup holds them
+    cap = setup + HEADROOM + (budget if mode == "mmap" else 0)
     (cg / "memory.limit_in_bytes").write_text(str(cap))
     (cg / "memory.max_usage_in_bytes").write_text("0")
     flt0 = _majflt()
