@@ -19,7 +19,6 @@ from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.links import LinkProfile
 
 RESIDENT_RUNS = 3  # measured all-resident generates
-LINK_RUNS = 3  # measured generates over the link (each its own offload, so each starts with empty slots)
 
 
 def med(xs: list[float]) -> float:
@@ -117,79 +116,63 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     cold = landed = extra = wake = queued = 0.0
     demand_extra = None
     busy = 1.0
-    if link is not None:  # the same machine while the link copies on the other core; each figure the median of
-        # LINK_RUNS runs, since one run's figures move with whatever else the machine did meanwhile
+    if link is not None:  # the same machine while an emulated link copies on the other core
         disk = {"store": "ssd", "checkpoint": model.name_or_path} if link == "disk" else {}  # real reads
         cfg = OffloadConfig.preset("fate", link=link, layer_compute_s=layer_compute_s, quant=quant,
                                    slots=M * rt.num_experts // 4, **disk)
+        with offload(model, cfg) as rt2:
+            model.generate(prompt_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            rt2.reset_stats()
+            model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            st2, tl2 = rt2.stats, rt2.stats.timeline
+        skip = st2.total("prefill").uses  # the prefill's compute events come first
+        fresh, warm_c, cold_c, pred2, seen = set(), [], [], [], 0
+        for kind, m, e, a0, a1 in tl2:
+            if kind in ("demand", "prefetch", "sync_load"):
+                fresh.add((m, e))
+            elif kind == "compute":
+                seen += 1
+                if seen > skip:
+                    (cold_c if (m, e) in fresh else warm_c).append(a1 - a0)
+                fresh.discard((m, e))
+            elif kind == "predict":
+                pred2.append(a1 - a0)
+        lp = link_profile if link_profile is not None else rt2.link
+        moves = [(kind, a0, a1) for kind, m, e, a0, a1 in tl2 if kind in ("demand", "prefetch")]
+        spans = [(a0, a1) for _, a0, a1 in moves]
+        extra, demand_extra = link_overshoot(spans, rt2.expert_bytes, lp), None
+        urgent = [i for i, (kind, _, _) in enumerate(moves) if kind == "demand"]
+        if lp.queue_depth > 1 and 0 < len(urgent) < len(moves):
+            # a disk read's own CPU work (conversion, digest, copy) has the cores to itself while the compute
+            # thread waits on it (a demand load) and shares them with compute otherwise (a prefetch): measured apart
+            demand_extra = link_overshoot(spans, rt2.expert_bytes, lp, among=urgent)
+            extra = link_overshoot(spans, rt2.expert_bytes, lp, among=sorted(set(range(len(moves))) - set(urgent)))
+        landed_at: dict = {}
+        wakes = []
+        for kind, m, e, _a0, a1 in tl2:
+            if kind in ("demand", "prefetch"):
+                landed_at[m, e] = a1
+            elif kind == "stall" and (m, e) in landed_at and landed_at[m, e] <= a1:
+                wakes.append(a1 - landed_at[m, e])
+        wake = med(wakes)
+        d2, n2 = st2.total("decode"), len(st2.forward_s["decode"])
+        moved = d2.bytes_moved / rt.expert_bytes / n2  # transfers per decode token
+        busy_expert = med(warm_c)  # a warm expert's compute while the link copies
         base = expert_s + (dequant if packed else 0.0)  # a warm expert's own time, its dequantize included
-        figs = [_link_figures(model, cfg, prompt_ids, new_tokens, link_profile, base, call_s, dense_s, M, L)
-                for _ in range(LINK_RUNS)]
-        cold, landed, extra, wake, queued, busy = (med([f[k] for f in figs]) for k in
-                                                   ("cold", "landed", "extra", "wake", "queued", "busy"))
-        if all(f["demand_extra"] is not None for f in figs):
-            demand_extra = med([f["demand_extra"] for f in figs])
+        busy = max(1.0, busy_expert / base) if busy_expert and base else 1.0
+        cold = max(0.0, med(cold_c) - busy_expert) if busy_expert else 0.0
+        in_calls2 = (sum(warm_c) + sum(cold_c) + sum(pred2[M - 1:]) + d2.stall_s) / n2
+        # what the calls spent beyond their pieces, less the resident run's bookkeeping slowed by the busy link:
+        # the compute thread's own time per transfer it queued
+        per = moved if moved > 0 else float("inf")  # no transfer: nothing to charge them with
+        queued = max(0.0, d2.compute_s / n2 - in_calls2 - M * call_s * busy) / per
+        dense_part = (sum(st2.forward_s["decode"]) - d2.compute_s) / n2  # per token, outside experts calls
+        landed = max(0.0, (dense_part - L * dense_s) / per)
     return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok,
                           expert_cold_s=cold, landed_s=landed, link_extra_s=max(0.0, extra), wake_s=wake,
                           demand_extra_s=demand_extra,
                           busy_factor=busy, transfer_host_s=queued, dequant_s=dequant,
                           source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime (all resident, "
                           f"instant link, {new_tokens} tokens, quant={quant}"
-                          + (f"; cold experts, the busy link's slow-down and per-transfer time over {link}, "
-                             f"medians of {LINK_RUNS} runs" if link else "") + ")")
-
-
-def _link_figures(model, cfg: OffloadConfig, prompt_ids: torch.Tensor, new_tokens: int,
-                  link_profile: LinkProfile | None, base: float, call_s: float, dense_s: float, M: int,
-                  L: int) -> dict:
-    """One run of cfg over its link: what the link's copies cost the compute thread (`calibrate_compute`)."""
-    from fate_lab.offloading.runtime import offload
-
-    with offload(model, cfg) as rt2:
-        model.generate(prompt_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        rt2.reset_stats()
-        model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        st2, tl2 = rt2.stats, rt2.stats.timeline
-    skip = st2.total("prefill").uses  # the prefill's compute events come first
-    fresh, warm_c, cold_c, pred2, seen = set(), [], [], [], 0
-    for kind, m, e, a0, a1 in tl2:
-        if kind in ("demand", "prefetch", "sync_load"):
-            fresh.add((m, e))
-        elif kind == "compute":
-            seen += 1
-            if seen > skip:
-                (cold_c if (m, e) in fresh else warm_c).append(a1 - a0)
-            fresh.discard((m, e))
-        elif kind == "predict":
-            pred2.append(a1 - a0)
-    lp = link_profile if link_profile is not None else rt2.link
-    moves = [(kind, a0, a1) for kind, m, e, a0, a1 in tl2 if kind in ("demand", "prefetch")]
-    spans = [(a0, a1) for _, a0, a1 in moves]
-    extra, demand_extra = link_overshoot(spans, rt2.expert_bytes, lp), None
-    urgent = [i for i, (kind, _, _) in enumerate(moves) if kind == "demand"]
-    if lp.queue_depth > 1 and 0 < len(urgent) < len(moves):
-        # a disk read's own CPU work (conversion, digest, copy) has the cores to itself while the compute
-        # thread waits on it (a demand load) and shares them with compute otherwise (a prefetch): measured apart
-        demand_extra = link_overshoot(spans, rt2.expert_bytes, lp, among=urgent)
-        extra = link_overshoot(spans, rt2.expert_bytes, lp, among=sorted(set(range(len(moves))) - set(urgent)))
-    landed_at: dict = {}
-    wakes = []
-    for kind, m, e, _a0, a1 in tl2:
-        if kind in ("demand", "prefetch"):
-            landed_at[m, e] = a1
-        elif kind == "stall" and (m, e) in landed_at and landed_at[m, e] <= a1:
-            wakes.append(a1 - landed_at[m, e])
-    d2, n2 = st2.total("decode"), len(st2.forward_s["decode"])
-    moved = d2.bytes_moved / rt2.expert_bytes / n2  # transfers per decode token
-    busy_expert = med(warm_c)  # a warm expert's compute while the link copies
-    busy = max(1.0, busy_expert / base) if busy_expert and base else 1.0
-    cold = max(0.0, med(cold_c) - busy_expert) if busy_expert else 0.0
-    in_calls2 = (sum(warm_c) + sum(cold_c) + sum(pred2[M - 1:]) + d2.stall_s) / n2
-    # what the calls spent beyond their pieces, less the resident run's bookkeeping slowed by the busy link:
-    # the compute thread's own time per transfer it queued
-    per = moved if moved > 0 else float("inf")  # no transfer: nothing to charge them with
-    queued = max(0.0, d2.compute_s / n2 - in_calls2 - M * call_s * busy) / per
-    dense_part = (sum(st2.forward_s["decode"]) - d2.compute_s) / n2  # per token, outside experts calls
-    landed = max(0.0, (dense_part - L * dense_s) / per)
-    return {"cold": cold, "landed": landed, "extra": max(0.0, extra), "wake": med(wakes), "queued": queued,
-            "busy": busy, "demand_extra": demand_extra}
+                          + (f"; cold experts, the busy link's slow-down and per-transfer time over {link}" if link
+                             else "") + ")")
