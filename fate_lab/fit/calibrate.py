@@ -77,6 +77,16 @@ def link_overshoot(moves: list[tuple[float, float]], nbytes: int, link: LinkProf
     return max(0.0, med(over))
 
 
+def _dequant_s(w, pack_expert, dequantize_s, QuantSpec) -> float:
+    """The runtime's dequantize of expert w at INT4, in the largest of INT4's group sizes (64, 32, ..., 8) that
+    divides its projections' last dims, as a quantized preset would have to pick; 0 if none does (no packed slot
+    can hold it, so nothing is ever dequantized)."""
+    for g in (64, 32, 16, 8):
+        if w.gate_up.shape[-1] % g == 0 and w.down.shape[-1] % g == 0:
+            return dequantize_s(pack_expert(w, QuantSpec(4, g)))
+    return 0.0
+
+
 def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
                       name: str = "this machine", link: str | None = None,
                       layer_compute_s: float | None = None, link_profile: LinkProfile | None = None) -> ComputeProfile:
@@ -98,7 +108,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     from fate_lab.quant import QuantSpec
     from fate_lab.quant.experts import pack_expert
 
-    dequant = dequantize_s(pack_expert(adapt(model).expert(0, 0), QuantSpec.preset("int4")))
+    dequant = _dequant_s(adapt(model).expert(0, 0), pack_expert, dequantize_s, QuantSpec)
     cfg = OffloadConfig.preset("fate", all_resident=True, link="instant", quant=quant)
     runs = []
     with offload(model, cfg) as rt:
