@@ -84,7 +84,7 @@ class ModelShape:
         folder. The model is built on the meta device (no weights); only its first routers are materialised with
         random weights on the CPU, to read their scoring off the modules. dtype: the checkpoint's if None."""
         from fate_lab.model.adapters import adapt
-        from fate_lab.model.checkpoint import meta_model
+        from fate_lab.model.meta import meta_model
 
         return cls.from_adapter(adapt(meta_model(config, dtype)))
 

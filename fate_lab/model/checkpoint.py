@@ -16,9 +16,11 @@ dequantizer: a checkpoint whose experts are stored quantized is refused, naming 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -67,10 +69,20 @@ class _Source:
     parts: dict[str, list[tuple[Path, str]]] = field(default_factory=dict)  # dense: pattern -> every (file, key)
 
 
-def _load(file: Path, key: str, e: int | None = None) -> torch.Tensor:
-    """A checkpoint tensor, or only expert e's slice of it (kept as a stack of one)."""
-    with safe_open(str(file), framework="pt") as f:
-        return f.get_tensor(key) if e is None else f.get_slice(key)[e:e + 1]
+def _load(file: Path, key: str, e: int | None = None, handles: dict | None = None) -> torch.Tensor:
+    """A checkpoint tensor, or only expert e's slice of it (kept as a stack of one); handles: {file: open file}
+    kept by a pass over many experts (`reader()`; an open costs about a millisecond)."""
+    f = None if handles is None else handles.get(file)
+    if f is None:
+        f = safe_open(str(file), framework="pt")  # closed when dropped
+        if handles is not None:
+            handles[file] = f
+    return f.get_tensor(key) if e is None else f.get_slice(key)[e:e + 1]
+
+
+def reader() -> Callable:
+    """A `load` for `ExpertIndex.read` that opens each file once (a store's verification reads every expert)."""
+    return functools.partial(_load, handles={})
 
 
 def _run_ops(conv, collected: dict, target: str, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -310,53 +322,6 @@ class LoadReport:
     experts_on_meta: tuple[str, ...]  # the routed-expert tensors, never materialised
     initialised: tuple[str, ...]  # non-persistent buffers recomputed by the family's own _init_weights
     missing: tuple[str, ...]  # non-expert tensors the checkpoint lacks (initialised as from_pretrained does)
-
-
-def _model_class(config):
-    """The *ForCausalLM class of config, else its base model class (a text tower)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from fate_lab.model.families import base_model_class
-
-    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    if base_model_class(config.model_type) is not None:
-        return base_model_class(config.model_type)
-    raise ValueError(f"model_type {config.model_type!r} has no causal-LM or base model class in transformers")
-
-
-def meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
-    """The model of a config (a PretrainedConfig, a config.json file or a checkpoint folder) built on the meta
-    device: shapes and dtypes, no weights. The routers of its first MoE layers -- up to the first one the gate
-    input alone can drive -- are materialised on the CPU with random weights (std 0.25, as `testing.tiny_model`
-    does), so that `adapt(model)` can read their semantics off the modules; nothing else holds bytes."""
-    from transformers import PretrainedConfig
-
-    from fate_lab.model.adapters import experts_modules
-    from fate_lab.model.routers import find_router
-
-    config = config if isinstance(config, PretrainedConfig) else read_config(config)  # a folder or config.json
-    with torch.device("meta"):
-        model = _model_class(config)._from_config(config, dtype=dtype or getattr(config, "dtype", None)
-                                                  or torch.float32)
-    hidden = int(config.get_text_config().hidden_size)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, _, experts in experts_modules(model):
-            site = find_router(model, experts, hidden)
-            if site is None:
-                break
-            for owner in [*site.router.modules(), site.block]:  # the router and the block's own tensors
-                owner.to_empty(device="cpu", recurse=False)
-                model._init_weights(owner)  # the family's own initial values (norm weights, scales)
-            site = find_router(model, experts, hidden)
-            for w in site.weights:
-                w.copy_(torch.randn(w.shape, generator=g) * 0.25)
-            for b in site.biases:
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-            if set(site.missing) <= set(site.optional):
-                break
-    return model.eval()
 
 
 def load_without_experts(folder: str | Path, dtype: torch.dtype | None = None,

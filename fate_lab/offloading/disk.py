@@ -71,7 +71,9 @@ class DiskStore(SafetensorsStore):
                 seen: dict[Path, list[tuple]] = {}
 
                 def record(file: Path, key: str, ee: int | None = None, seen=seen) -> torch.Tensor:
-                    start, header = headers.setdefault(file, safetensors_header(file))
+                    if file not in headers:  # parsed once per file (a big checkpoint's header is megabytes)
+                        headers[file] = safetensors_header(file)
+                    start, header = headers[file]
                     info = header[key]
                     dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
                     lo, hi = info["data_offsets"]

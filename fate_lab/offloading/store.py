@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from fate_lab.model.checkpoint import ExpertIndex
+from fate_lab.model.checkpoint import ExpertIndex, reader
 from fate_lab.model.experts import ExpertWeights
 from fate_lab.offloading.digest import expert_digest, first_difference, nonfinite
 from fate_lab.quant import PackedExpert, QuantSpec, pack_expert
@@ -144,14 +144,14 @@ class SafetensorsStore(HostStore):
             raise NotImplementedError(index.refusal())
         M, E = adapter.num_moe_layers, adapter.num_experts
         meta = any(t.is_meta for t in adapter.expert(0, 0).tensors().values())
-        digests = []
+        digests, load = [], reader()
         bar = tqdm(total=M * E, desc="verify checkpoint", unit="expert", disable=not progress)
         for m in range(M):
             row, layout = [], adapter.layouts[m]
             for e in range(E):
                 where = f"checkpoint {index.folder} ({', '.join(p.name for p in index.files(m, e))})"
                 try:
-                    theirs = index.read(m, e)
+                    theirs = index.read(m, e, load=load)
                 except (KeyError, ValueError) as exc:
                     raise ValueError(f"{where}: expert {e} of MoE layer {m} cannot be read as this model's: "
                                      f"{exc}") from exc
