@@ -77,10 +77,14 @@ def link_overshoot(moves: list[tuple[float, float]], nbytes: int, link: LinkProf
     return max(0.0, med(over))
 
 
-def _dequant_s(w, pack_expert, dequantize_s, QuantSpec) -> float:
+def _dequant_s(w) -> float:
     """The runtime's dequantize of expert w at INT4, in the largest of INT4's group sizes (64, 32, ..., 8) that
     divides its projections' last dims, as a quantized preset would have to pick; 0 if none does (no packed slot
     can hold it, so nothing is ever dequantized)."""
+    from fate_lab.offloading.slots import dequantize_s
+    from fate_lab.quant import QuantSpec
+    from fate_lab.quant.experts import pack_expert
+
     for g in (64, 32, 16, 8):
         if w.gate_up.shape[-1] % g == 0 and w.down.shape[-1] % g == 0:
             return dequantize_s(pack_expert(w, QuantSpec(4, g)))
@@ -104,11 +108,8 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     """
     from fate_lab.model.adapters import adapt
     from fate_lab.offloading.runtime import offload
-    from fate_lab.offloading.slots import dequantize_s
-    from fate_lab.quant import QuantSpec
-    from fate_lab.quant.experts import pack_expert
 
-    dequant = _dequant_s(adapt(model).expert(0, 0), pack_expert, dequantize_s, QuantSpec)
+    dequant = _dequant_s(adapt(model).expert(0, 0))
     cfg = OffloadConfig.preset("fate", all_resident=True, link="instant", quant=quant)
     runs = []
     with offload(model, cfg) as rt:

@@ -16,11 +16,10 @@ dequantizer: a checkpoint whose experts are stored quantized is refused, naming 
 
 from __future__ import annotations
 
-import functools
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -69,20 +68,35 @@ class _Source:
     parts: dict[str, list[tuple[Path, str]]] = field(default_factory=dict)  # dense: pattern -> every (file, key)
 
 
-def _load(file: Path, key: str, e: int | None = None, handles: dict | None = None) -> torch.Tensor:
-    """A checkpoint tensor, or only expert e's slice of it (kept as a stack of one); handles: {file: open file}
-    kept by a pass over many experts (`reader()`; an open costs about a millisecond)."""
-    f = None if handles is None else handles.get(file)
-    if f is None:
-        f = safe_open(str(file), framework="pt")  # closed when dropped
-        if handles is not None:
-            handles[file] = f
+def _load(file: Path, key: str, e: int | None = None) -> torch.Tensor:
+    """A checkpoint tensor, or only expert e's slice of it (kept as a stack of one)."""
+    with safe_open(str(file), framework="pt") as f:
+        return _get(f, key, e)
+
+
+def _get(f, key: str, e: int | None) -> torch.Tensor:
     return f.get_tensor(key) if e is None else f.get_slice(key)[e:e + 1]
 
 
-def reader() -> Callable:
-    """A `load` for `ExpertIndex.read` that opens each file once (a store's verification reads every expert)."""
-    return functools.partial(_load, handles={})
+class OpenFiles:
+    """A `load` for `ExpertIndex.read` that keeps each safetensors file open for many reads: an open parses the
+    file's header, milliseconds for a shard of a large MoE's thousands of keys, and a read of one expert takes
+    three tensors. With `recheck`, one stat per read: a file replaced, truncated or deleted since it was opened is
+    opened again (or fails), so a read never serves bytes of a file that is no longer there unnoticed."""
+
+    def __init__(self, recheck: bool = False):
+        self.recheck = recheck
+        self._open: dict[Path, tuple] = {}  # file -> (its identity when opened, the open file)
+
+    def __call__(self, file: Path, key: str, e: int | None = None) -> torch.Tensor:
+        ident = None
+        if self.recheck:
+            st = os.stat(file)
+            ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+        got = self._open.get(file)
+        if got is None or got[0] != ident:
+            got = self._open[file] = (ident, safe_open(str(file), framework="pt"))  # closed when dropped
+        return _get(got[1], key, e)
 
 
 def _run_ops(conv, collected: dict, target: str, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -287,7 +301,7 @@ class ExpertIndex:
         pairs = list(src.whole.values()) + [fk for keys in src.parts.values() for fk in keys]
         return f"{', '.join(sorted({f.name for f, _ in pairs}))}: {', '.join(k for _, k in pairs)}"
 
-    def dense_tensors(self, target: str) -> dict[str, torch.Tensor]:
+    def dense_tensors(self, target: str, load=_load) -> dict[str, torch.Tensor]:
         """{model key: tensor} that the checkpoint source of `target` loads into, built as from_pretrained
         builds them (a plain rename, or the converter's own operations, e.g. a split fused projection)."""
         from transformers.core_model_loading import dot_natural_key
@@ -295,8 +309,8 @@ class ExpertIndex:
         src = self.dense[target]
         if src.converter is None:
             (file, key), = src.whole.values()
-            return {target: _load(file, key)}
-        collected = {pat: [_load(f, k) for f, k in sorted(keys, key=lambda fk: dot_natural_key(fk[1]))]
+            return {target: load(file, key)}
+        collected = {pat: [load(f, k) for f, k in sorted(keys, key=lambda fk: dot_natural_key(fk[1]))]
                      for pat, keys in src.parts.items()}
         out = _run_ops(src.converter, collected, target, self.model)
         prefix, _, suffix = next(target.partition(k) for k in out if k in target)
@@ -346,9 +360,9 @@ def load_without_experts(folder: str | Path, dtype: torch.dtype | None = None,
         raise NotImplementedError(index.refusal())
     meta_sd = model.state_dict()
     keep_fp32 = fp32_names(model, dtype or model.dtype)
-    state = {}
+    state, load = {}, OpenFiles()
     for target in index.dense:
-        for key, tensor in index.dense_tensors(target).items():
+        for key, tensor in index.dense_tensors(target, load).items():
             if key not in meta_sd:
                 continue
             if tensor.shape != meta_sd[key].shape:

@@ -88,7 +88,6 @@ class DiskStore(SafetensorsStore):
             self.ranges.append(row)
         self.span = max(sum(span([(r[2], r[3]) for r in rs]) for rs in by_file.values())
                         for row in self.ranges for by_file in row)
-        self._local = threading.local()
 
     def buffer(self):
         """This thread's aligned read buffer (allocated at its first read, then reused)."""

@@ -27,7 +27,7 @@ import xxhash
 
 from fate_lab.offloading.direct import ALIGN, aligned_buffer, read_ranges
 from fate_lab.offloading.store import CheckpointError, HostStore, QuantizedStore
-from fate_lab.quant.experts import PackedExpert, pack_expert
+from fate_lab.quant.experts import PackedExpert
 from fate_lab.quant.kernels import QuantizedTensor, QuantSpec
 
 __all__ = ["DiskQuantizedStore", "PackedFile", "packed_dir", "write_packed"]
@@ -132,12 +132,7 @@ class DiskQuantizedStore(QuantizedStore):
 
     def __init__(self, base: HostStore, specs: list[tuple[QuantSpec | None, ...]], folder: Path | None = None,
                  progress: bool = False):
-        if len(specs) != base.num_moe_layers:
-            raise ValueError(f"need one tuple of specs per MoE layer ({base.num_moe_layers}), got {len(specs)}")
-        self.base, self.tier, self.pinned = base, base.tier, False
-        self.num_moe_layers, self.num_experts = base.num_moe_layers, base.num_experts
-        self.specs = [tuple(s) for s in specs]
-        self._packed = {}
+        self._wrap(base, specs, pin=False)
         h = xxhash.xxh3_64(f"fate_lab packed {FORMAT};".encode())
         for m, layer_specs in enumerate(self.specs):
             h.update(f"{m}:{sorted(repr(s) for s in layer_specs if s is not None)};".encode())
@@ -145,23 +140,10 @@ class DiskQuantizedStore(QuantizedStore):
         path = Path(folder if folder is not None else packed_dir()) / f"experts-{h.hexdigest()}.bin"
         self.file = PackedFile.open(path)
         if self.file is None:
-            write_packed(path, self._pack(progress))
+            write_packed(path, self._packed_items(progress))
             self.file = PackedFile.open(path)
         if self.file is None:
             raise OSError(f"the packed file {path} just written cannot be opened again")
-
-    def _pack(self, progress: bool):
-        from tqdm.auto import tqdm
-
-        todo = [(m, e, s) for m, ss in enumerate(self.specs) for s in ss if s is not None
-                for e in range(self.num_experts)]
-        for m, e, spec in tqdm(todo, desc="packing experts to disk", unit="expert", disable=not progress):
-            src = self.base.fetch(m, e)
-            try:
-                yield m, e, spec, pack_expert(src, spec, name=f"expert {e} of MoE layer {m}")
-            except ValueError as exc:
-                raise ValueError(f"cannot quantize expert {e} of MoE layer {m} at {spec}: {exc}. Choose a group "
-                                 f"size that divides hidden and expert width {tuple(src.down.shape)}") from exc
 
     def fetch_at(self, m: int, e: int, spec: QuantSpec | None):
         """Full precision from the checkpoint, or the packed copy at spec read from the packed file."""

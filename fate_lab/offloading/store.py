@@ -17,18 +17,19 @@ them), for every experts layout the model side serves:
 - `QuantizedStore`: wraps either tier and adds packed copies (`quant.PackedExpert`, one per precision a
   `quant.QuantPolicy` names for the layer, `policy.host_specs(m)`), read with `fetch_at(m, e, spec)`. Fate
   keeps an INT4 and an INT2 copy of every expert on the host; so does this store under the `fate` policy.
-  The packed copies always live in RAM (pinned on CUDA), also over the SSD tier: quantizing at load time,
-  not writing packed files, is a simplification of ours.
+  The packed copies live in RAM (pinned on CUDA), also over the SSD tier; the disk link writes them to a file
+  once instead (`packed_file.py`).
 
 What it is not: it owns no device memory and no thread; the transfer engine moves the bytes.
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
 
-from fate_lab.model.checkpoint import ExpertIndex, reader
+from fate_lab.model.checkpoint import ExpertIndex, OpenFiles
 from fate_lab.model.experts import ExpertWeights
 from fate_lab.offloading.digest import expert_digest, first_difference, nonfinite
 from fate_lab.quant import PackedExpert, QuantSpec, pack_expert
@@ -126,6 +127,7 @@ class SafetensorsStore(HostStore):
         self.num_moe_layers, self.num_experts = num_moe_layers, num_experts
         self.digests = digests
         self.reference = reference  # "model": digests of the in-memory model's tensors; "file": of the file at open
+        self._local = threading.local()  # per reading thread: its open files, its read buffer (disk link)
 
     @classmethod
     def open(cls, adapter, checkpoint: str | Path, index: ExpertIndex | None = None, progress: bool = False
@@ -144,7 +146,7 @@ class SafetensorsStore(HostStore):
             raise NotImplementedError(index.refusal())
         M, E = adapter.num_moe_layers, adapter.num_experts
         meta = any(t.is_meta for t in adapter.expert(0, 0).tensors().values())
-        digests, load = [], reader()
+        digests, load = [], OpenFiles()
         bar = tqdm(total=M * E, desc="verify checkpoint", unit="expert", disable=not progress)
         for m in range(M):
             row, layout = [], adapter.layouts[m]
@@ -180,8 +182,11 @@ class SafetensorsStore(HostStore):
     def fetch(self, m: int, e: int) -> ExpertWeights:
         """Read expert e of MoE layer m from disk (only its bytes are touched), refused unless it hashes to the
         digest taken at open."""
+        files = getattr(self._local, "files", None)
+        if files is None:  # this thread's open files, each rechecked on disk at every read
+            files = self._local.files = OpenFiles(recheck=True)
         try:
-            w = self.index.read(m, e)
+            w = self.index.read(m, e, load=files)
         except Exception as exc:  # a vanished, truncated or replaced file: name it and the expert
             raise CheckpointError(f"cannot read expert {e} of MoE layer {m} from {self._where(m, e)}: {exc!r}; "
                                   "the checkpoint changed or vanished while offloaded") from exc
@@ -210,27 +215,30 @@ class QuantizedStore(HostStore):
 
     def __init__(self, base: HostStore, specs: list[tuple[QuantSpec | None, ...]], pin: bool = False):
         """specs[m]: the precisions to keep for MoE layer m (None entries are served by base)."""
+        self._wrap(base, specs, pin)
+        self._packed: dict[tuple[int, int, QuantSpec], PackedExpert] = {
+            (m, e, spec): packed.pin_memory() if pin else packed for m, e, spec, packed in self._packed_items()}
+
+    def _wrap(self, base: HostStore, specs: list[tuple[QuantSpec | None, ...]], pin: bool) -> None:
         if len(specs) != base.num_moe_layers:
             raise ValueError(f"need one tuple of specs per MoE layer ({base.num_moe_layers}), got {len(specs)}")
-        self.base = base
-        self.tier = base.tier
+        self.base, self.tier, self.pinned = base, base.tier, pin
         self.num_moe_layers, self.num_experts = base.num_moe_layers, base.num_experts
         self.specs = [tuple(s) for s in specs]
-        self.pinned = pin
-        self._packed: dict[tuple[int, int, QuantSpec], PackedExpert] = {}
-        for m, layer_specs in enumerate(self.specs):
-            for spec in layer_specs:
-                if spec is None:
-                    continue
-                for e in range(self.num_experts):
-                    src = base.fetch(m, e)
-                    try:
-                        packed = pack_expert(src, spec, name=f"expert {e} of MoE layer {m}")
-                    except ValueError as exc:
-                        raise ValueError(f"cannot quantize expert {e} of MoE layer {m} at {spec}: {exc}. Choose a "
-                                         f"group size that divides hidden and expert width {tuple(src.down.shape)}"
-                                         ) from exc
-                    self._packed[m, e, spec] = packed.pin_memory() if pin else packed
+
+    def _packed_items(self, progress: bool = False):
+        """(m, e, spec, packed copy) of every expert at every precision kept, packed from the wrapped store."""
+        from tqdm.auto import tqdm
+
+        todo = [(m, e, s) for m, ss in enumerate(self.specs) for s in ss if s is not None
+                for e in range(self.num_experts)]
+        for m, e, spec in tqdm(todo, desc="packing experts", unit="expert", disable=not progress):
+            src = self.base.fetch(m, e)
+            try:
+                yield m, e, spec, pack_expert(src, spec, name=f"expert {e} of MoE layer {m}")
+            except ValueError as exc:
+                raise ValueError(f"cannot quantize expert {e} of MoE layer {m} at {spec}: {exc}. Choose a group "
+                                 f"size that divides hidden and expert width {tuple(src.down.shape)}") from exc
 
     def fetch(self, m: int, e: int) -> ExpertWeights:
         """Full-precision tensors, from the wrapped store."""

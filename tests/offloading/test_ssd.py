@@ -197,3 +197,28 @@ def test_the_accelerator_path_refills_the_callers_own_parameters_in_their_layout
     assert all(after[m][n] is p and torch.equal(p, values[m][n])
                for m, layer in enumerate(own) for n, p in layer.items())
     assert torch.equal(greedy(model, ids, N)[0], ref)
+
+
+def test_reads_open_each_file_once_yet_see_a_replaced_file(tmp_path, tiny_models, monkeypatch):
+    """Opening a safetensors file parses its header (milliseconds for a shard of a large MoE); the store's reads keep
+    each file open and stat it per read, so a file replaced on disk is read anew, never served from the old open."""
+    import fate_lab.model.checkpoint as checkpoint
+    from fate_lab.offloading.store import SafetensorsStore
+
+    model = tiny_models("qwen2_moe", seed=0)
+    ckpt = _saved(model, tmp_path)
+    opens = []
+    real = checkpoint.safe_open
+    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: opens.append(a[0]) or real(*a, **k))
+    a = adapt(model)
+    store = SafetensorsStore.open(a, ckpt)
+    assert len(opens) <= 2  # the verification pass: one open per file (here one file; <= 2: an index build's check)
+    opens.clear()
+    for e in range(a.num_experts):
+        w = store.fetch(1, e)
+        assert torch.equal(w.down, a.expert(1, e).down)  # the model's own tensors: the independent reference
+    assert len(opens) == 1
+    _edit(ckpt, lambda t: t.mul_(2.0))  # a new file under the same name
+    with pytest.raises(CheckpointError, match="expert 3 of MoE layer 1"):
+        store.fetch(1, 3)
+    assert len(opens) == 2
