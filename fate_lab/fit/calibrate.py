@@ -54,27 +54,27 @@ def _resident_figures(st, M: int, L: int, T: int, K: int) -> tuple[float, ...]:
 
 def link_overshoot(moves: list[tuple[float, float]], nbytes: int, link: LinkProfile,
                    among: list[int] | None = None) -> float:
-    """Seconds a transfer of nbytes took beyond what the simulator's link (`sim.simulate.SimLink`) charges it: the
-    median over the (start, end) of the moves a run timed.
+    """Seconds per transfer of nbytes beyond what the simulator's link (`sim.simulate.SimLink`) charges it, from the
+    (start, end) of the moves a run timed: the inverse of SimLink's own rule, averaged over `among` (default: all).
 
-    Depth 1: each transfer holds the link alone for latency + bytes / bandwidth. Deeper queues (the disk):
-    transfers in flight share the bandwidth, so a move is charged latency + c x bytes / bandwidth, where c is how
-    many moves were in flight on average while it ran (itself included): two reads at once each take about twice
-    their bytes' time, and neither is slow for it. `among`: the moves whose median is taken (default: all); every
-    move counts as in flight beside them.
+    Depth 1: a transfer holds the link alone for latency + bytes / bandwidth + overshoot, so its overshoot is its
+    time less those. Deeper queues (the disk): SimLink overlaps the latencies of transfers in flight but passes their
+    bytes and overshoot over one wire in turn, so a transfer ends at max(start + latency, the previous transfer's
+    end) + bytes / bandwidth + overshoot; each move's overshoot is read off that rule, with the previous end from
+    the timed moves in the order they ended. At depth 1 each move's overshoot is its own, and the median keeps a
+    stray slow one out; deeper, the mean: over a busy spell the overshoots sum to its length less one latency and
+    its bytes' time, so the mean is what makes SimLink take as long as the run took (two reads that ran side by
+    side in the time of one give one its whole time and the other none, so no single move speaks for the rest).
     """
     pick = range(len(moves)) if among is None else among
     if not pick:
         return 0.0
     wire = nbytes / link.bandwidth
-    over = []
-    for i in pick:
-        a0, a1 = moves[i]
-        c = 1.0
-        if link.queue_depth > 1 and a1 > a0:
-            c += sum(max(0.0, min(a1, b1) - max(a0, b0)) for j, (b0, b1) in enumerate(moves) if j != i) / (a1 - a0)
-        over.append(a1 - a0 - link.latency - c * wire)
-    return max(0.0, med(over))
+    before, last = {}, float("-inf")  # each move: the end of the move that ended just before it (depth > 1)
+    for i in sorted(range(len(moves)), key=lambda i: moves[i][1]):
+        before[i], last = (last if link.queue_depth > 1 else float("-inf")), moves[i][1]
+    over = [moves[i][1] - max(moves[i][0] + link.latency, before[i]) - wire for i in pick]
+    return max(0.0, med(over) if link.queue_depth == 1 else sum(over) / len(over))
 
 
 def _dequant_s(w) -> float:

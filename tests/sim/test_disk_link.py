@@ -69,21 +69,43 @@ def test_an_experts_checkpoint_bytes_match_its_shape_by_hand():
         assert checkpoint_expert_bytes(file) == 3 * cfg["hidden_size"] * width * 2  # gate, up, down in bfloat16
 
 
-def test_the_link_overshoot_of_a_queue_counts_shared_bandwidth_once():
+def test_the_link_overshoot_is_read_off_by_hand_timed_moves():
     # what the calibration charges each transfer beyond the simulator's link, from hand-timed moves
     from fate_lab.fit.calibrate import link_overshoot
 
-    one = LinkProfile("copy engine", BW, LAT)  # depth 1: 1000 bytes take 2 ms
+    one = LinkProfile("copy engine", BW, LAT)  # depth 1: 1000 bytes take 1 ms of latency + 1 ms of bytes
+    # each move's own overshoot: 0.5, 0.5, 0 ms; the median, so that one stray move does not speak for the rest
     assert link_overshoot([(0.0, 2.5e-3), (3e-3, 5.5e-3), (6e-3, 8e-3)], 1000, one) == pytest.approx(0.5e-3)
+    assert link_overshoot([(0.0, 2.5e-3), (3e-3, 5.5e-3), (6e-3, 30e-3)], 1000, one) == pytest.approx(0.5e-3)
     disk = LinkProfile("disk", BW, LAT, queue_depth=2)
-    # two reads at once share the bandwidth: each takes 1 ms of latency + 2 ms of bytes, no overshoot, where
-    # each read taken alone ran 1 ms over
+    # two reads side by side, done together in 3 ms: the one wire passes 2 x (1 ms of bytes + overshoot) after one
+    # latency, so the overshoot is 0 (each alone taking 3 ms would have been 1 ms over)
     assert link_overshoot([(0.0, 3e-3), (0.0, 3e-3)], 1000, disk) == pytest.approx(0.0, abs=1e-12)
-    # the first two overlap for 3 of their 4 ms (1.75 reads in flight on average: 1 + 1.75 = 2.75 ms each, 1.25 over),
-    # the third runs alone (2.5 - 2 = 0.5 over): the median is 1.25 ms; the demand read alone, 0.5 ms
+    # the second read's bytes follow the first's end (4 ms): 5 - 4 - 1 = 0 over; the first 4 - 1 - 1 = 2; the third
+    # ran alone: 12.5 - 11 - 1 = 0.5. Mean 2.5 / 3; the third alone 0.5
     moves = [(0.0, 4e-3), (1e-3, 5e-3), (10e-3, 12.5e-3)]
-    assert link_overshoot(moves, 1000, disk) == pytest.approx(1.25e-3)
+    assert link_overshoot(moves, 1000, disk) == pytest.approx(2.5e-3 / 3)
     assert link_overshoot(moves, 1000, disk, among=[2]) == pytest.approx(0.5e-3)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_the_link_overshoot_inverts_the_simulated_link(depth):
+    # the simulator's own link, given overshoots, times a burst of reads (demand loads queued before prefetches);
+    # the calibration's estimate, read off those times, gives each kind's overshoot back
+    from fate_lab.fit.calibrate import link_overshoot
+
+    shape = _Shape(2, 1, 4, 1, 8, 8, torch.float32, 0, 0)
+    compute = ComputeProfile("link only", 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, link_extra_s=0.7e-3, demand_extra_s=0.2e-3)
+    profile = LinkProfile("hand", BW, LAT, queue_depth=depth)
+    link = SimLink(_Ctx(), SimClock(), profile, compute, shape)
+    urgent = [False, True, False, False, True, False, True]
+    xs = [link.submit(0, e, e, urgent=u, reason="miss" if u else "prefetch") for e, u in enumerate(urgent)]
+    for e, x in enumerate(xs):
+        link.wait(0, e, x)
+    spans = [(x.start, x.end) for x in xs]
+    assert link_overshoot(spans, 1000, profile, among=[i for i, u in enumerate(urgent) if u]) == pytest.approx(0.2e-3)
+    assert link_overshoot(spans, 1000, profile, among=[i for i, u in enumerate(urgent) if not u]) == pytest.approx(
+        0.7e-3)
 
 
 def test_a_demand_read_and_a_prefetch_pay_their_own_measured_overshoot():
