@@ -48,12 +48,12 @@ def _open_s(model, folder: Path, link: str, repeats: int) -> list[float]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--shards", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=48, help="MoE layers of the random model (default %(default)s)")
+    ap.add_argument("--experts", type=int, default=128, help="experts per layer (default %(default)s)")
+    ap.add_argument("--shards", type=int, default=16, help="safetensors shards to save (about; default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each call (default %(default)s)")
     ap.add_argument("--reads", type=int, default=256, help="expert reads timed each way")
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="also write the table to this markdown file")
     args = ap.parse_args(argv)
 
     from fate_lab.model.adapters import adapt
