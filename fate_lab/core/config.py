@@ -8,6 +8,7 @@ from these objects through one driver core (`fate_lab/core/driver.py`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass
 
@@ -99,10 +100,12 @@ class OffloadConfig:
         """A named baseline with any field overridden (budget=..., slots=..., link=..., ...)."""
         known = {**_PRESETS, **_QUANT_PRESETS, **_AUTO_PRESETS}
         if name not in known:
-            raise ValueError(f"unknown preset {name!r}; choose one of {list(known)}")
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+            raise ValueError(f"unknown preset {_near(name, list(known))}; choose one of {list(known)}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(overrides) - set(fields))
         if unknown:
-            raise TypeError(f"OffloadConfig has no field(s) {sorted(unknown)}")
+            raise TypeError(f"OffloadConfig has no field {'; '.join(_near(k, fields) for k in unknown)}; its fields: "
+                            f"{', '.join(fields)}")
         return dataclasses.replace(known[name], **overrides)
 
     def __post_init__(self) -> None:
@@ -110,6 +113,12 @@ class OffloadConfig:
 
 
 PREDICTORS = (None, "cross_layer_gate", "activation_path", "learned_gate", "activation_matrix")
+
+
+def _near(word: str, names: list[str]) -> str:
+    """word quoted, with the names it is probably a typo of ("'fat' (did you mean 'fate'?)")."""
+    close = difflib.get_close_matches(str(word), names, n=2, cutoff=0.75)
+    return f"{word!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
 
 
 def _is_int(v) -> bool:

@@ -56,3 +56,12 @@ def test_the_planned_presets_are_listed_apart():
     assert OffloadConfig.preset_names(include_auto=True)[-1] == "auto"  # lossless only without include_quant
     assert OffloadConfig.preset_names(include_quant=True, include_auto=True)[-2:] == ["auto", "auto_quant"]
     assert OffloadConfig.preset("auto_quant").auto == "quant" and OffloadConfig.preset("auto").quant is None
+
+
+def test_a_wrong_name_or_keyword_says_what_it_was_probably_meant_to_be():
+    with pytest.raises(ValueError, match=r"unknown preset 'fat' \(did you mean 'fate'"):
+        OffloadConfig.preset("fat")
+    with pytest.raises(TypeError, match=r"no field 'prefetch_windw' \(did you mean 'prefetch_window'"):
+        OffloadConfig.preset("fate", prefetch_windw=2.0)
+    with pytest.raises(TypeError, match=r"no field 'zzz'; its fields: name, budget, slots"):  # nothing close: the list
+        OffloadConfig.preset("fate", zzz=1)
