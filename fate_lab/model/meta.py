@@ -39,7 +39,7 @@ def meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
     config = config if isinstance(config, PretrainedConfig) else read_config(config)  # a folder or config.json
     with torch.device("meta"):
         model = model_class(config)._from_config(config, dtype=dtype or getattr(config, "dtype", None)
-                                                  or torch.float32)
+                                                 or torch.float32)
     hidden = int(config.get_text_config().hidden_size)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
