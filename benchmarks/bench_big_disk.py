@@ -201,7 +201,7 @@ def part1(args, folder: Path, lines: list[str]) -> dict:
         if row == "all_resident":
             cfg = OffloadConfig.preset("fate", all_resident=True, link="instant")
         else:
-            cfg = dataclasses.replace(resolved[row])
+            cfg = resolved[row].replace()
         sim_own, sim_tr = simulate(own, cfg, hw, shape), simulate(trained, cfg, hw, shape)
         pt = 1e3 * sim_own.forward_s["prefill"][0]
         kept = all(x["wall_s"] >= x["bound_s"] for x in rs)

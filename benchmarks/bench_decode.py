@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                     tokens, ttft, tps = _best(model, ids, args.new_tokens, args.repeats)
                     res[name] = dict(ttft=ttft, tps=tps, same=torch.equal(tokens, plain_tokens),
                                      stats=rt.stats.summary()["decode"], budget=rt.plan.budget_bytes,
-                                     cache=rt.plan.cache_total if cfg.cache else 0)
+                                     cache=rt.plan.cache_total if cfg.cache.keep else 0)
             base = res.get("all_resident", {}).get("tps", float("nan"))
             lod = res.get("load_on_demand", {}).get("tps", float("nan"))
             for name, r in res.items():

@@ -16,7 +16,6 @@ move fewer bytes per load; the packing happens at offload, before the timed run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import statistics
 import sys
@@ -121,7 +120,7 @@ def _run(args, argv) -> str:
             for k, cfg in cfgs.items():
                 runs[k].append(run_runtime(model, prompts, cfg, args.new_tokens, disk_bytes, raw_bw))
         for (share, p), cfg in cfgs.items():
-            sim = simulate(trace, dataclasses.replace(cfg), hw, shape)
+            sim = simulate(trace, cfg.replace(), hw, shape)
             r = runs[share, p]
             tok_s = [x["tok_s"] for x in r]
             ttft = [x["ttft_ms"] for x in r]

@@ -17,7 +17,6 @@ Three parts, all on the EVAL split of each embedded model (the calibration split
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 import time
@@ -45,9 +44,9 @@ def configs(seed: tuple) -> dict[str, OffloadConfig]:
     LRU, and the quantized pairs."""
     eap = OffloadConfig.preset("eap")
     return {"lru": OffloadConfig.preset("lru"), "activation_path": OffloadConfig.preset("activation_path"),
-            "eap": eap, "eap (profiled)": dataclasses.replace(eap, activation_collection=seed),
+            "eap": eap, "eap (profiled)": eap.replace(activation_collection=seed),
             "fate": OffloadConfig.preset("fate"), "fate_quant": OffloadConfig.preset("fate_quant"),
-            "eap_quant": dataclasses.replace(eap, name="eap_quant", quant="fate")}
+            "eap_quant": eap.replace(name="eap_quant", quant="fate")}
 
 
 def _md(df, floatfmt: str = ".3f") -> list[str]:
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> str:
             hw, hwq = ratio_hardware(shape, comp, r), ratio_hardware(shape, comp, r, "fate")
             for share in SHARES:
                 slots = int(shape.num_moe_layers * E * share)
-                v = {n: simulate(sub, dataclasses.replace(c, slots=slots), hwq if c.quant else hw, shape).decode_tok_s
+                v = {n: simulate(sub, c.replace(slots=slots), hwq if c.quant else hw, shape).decode_tok_s
                      for n, c in cfgs.items()}
                 beap = max(v["activation_path"], v["eap"], v["eap (profiled)"])
                 ratios = [v["fate"] / v["eap"], v["fate"] / v["activation_path"], v["fate"] / beap,
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> str:
         for s in PAPER_SETUPS:
             hw = Hardware.scaled(s)
             slots = int(shape.num_moe_layers * E * 0.25)
-            v = {n: simulate(sub, dataclasses.replace(c, slots=slots), hw, shape).decode_tok_s for n, c in cfgs.items()}
+            v = {n: simulate(sub, c.replace(slots=slots), hw, shape).decode_tok_s for n, c in cfgs.items()}
             beap = max(v["activation_path"], v["eap"], v["eap (profiled)"])
             lines.append(f"| {s} | " + " | ".join(f"{v[n]:.1f}" for n in cfgs) +
                          f" | {v['fate'] / beap:.2f} | {v['fate_quant'] / v['eap']:.2f} |")

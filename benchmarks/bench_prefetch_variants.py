@@ -13,7 +13,6 @@ calibrated from the runtime. Speed is reported relative to uniform LRU in the sa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 import time
@@ -37,21 +36,21 @@ RATIOS = [0.25, 0.5, 1.0, 2.0, 2.9, 4.0]
 def ladder(top_k: int) -> dict[str, OffloadConfig]:
     """The ablation ladder and the variants, as configs (budget set per cell)."""
     lru = OffloadConfig.preset("lru")
-    arc = dataclasses.replace(lru, name="arc", replacement="arc")
-    shallow = dataclasses.replace(arc, name="arc+shallow", allocation="shallow")
+    arc = lru.replace(name="arc", replacement="arc")
+    shallow = arc.replace(name="arc+shallow", allocation="shallow")
     fate = OffloadConfig.preset("fate")
     v1 = OffloadConfig.preset("fate_v1")
     return {
         "lru": lru, "arc": arc, "arc+shallow": shallow,
-        "+top-k prefetch (v1 mechanics)": dataclasses.replace(v1, name="topk", rule=TopK(top_k)),
+        "+top-k prefetch (v1 mechanics)": v1.replace(name="topk", rule=TopK(top_k)),
         "+75th percentile = fate_v1": v1,
-        "+link-sized (admit on load)": dataclasses.replace(v1, name="link_onload", prefetch_budget="link"),
-        "whole set, admit on use": dataclasses.replace(v1, name="all_onuse", admit_prefetch="on_use"),
+        "+link-sized (admit on load)": v1.replace(name="link_onload", prefetch_budget="link"),
+        "whole set, admit on use": v1.replace(name="all_onuse", admit_prefetch="on_use"),
         "+link-sized, admit on use = fate": fate,
-        "link-sized x2 window, admit on use": dataclasses.replace(fate, name="w2", prefetch_window=2.0),
-        "link-sized x4 window, admit on use": dataclasses.replace(fate, name="w4", prefetch_window=4.0),
-        "fate with uniform LRU": dataclasses.replace(fate, name="fate_lru", allocation="uniform", replacement="lru"),
-        "fate with uniform ARC": dataclasses.replace(fate, name="fate_uarc", allocation="uniform"),
+        "link-sized x2 window, admit on use": fate.replace(name="w2", prefetch_window=2.0),
+        "link-sized x4 window, admit on use": fate.replace(name="w4", prefetch_window=4.0),
+        "fate with uniform LRU": fate.replace(name="fate_lru", allocation="uniform", replacement="lru"),
+        "fate with uniform ARC": fate.replace(name="fate_uarc", allocation="uniform"),
     }
 
 
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> str:
                 link = LinkProfile(f"r={r}", a.bytes_per_expert() / (r * layer_s), 0.0)
                 base = None
                 for name, cfg in configs.items():
-                    res = simulate(trace, dataclasses.replace(cfg, slots=int(total * share)), Hardware(prof, link),
+                    res = simulate(trace, cfg.replace(slots=int(total * share)), Hardware(prof, link),
                                    shape)
                     base = base or res.decode_tok_s
                     rows[name].append(f"{res.decode_tok_s / base:.2f} ({res.hit_rate('decode'):.2f})")

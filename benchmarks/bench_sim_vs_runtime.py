@@ -14,7 +14,6 @@ from the trace of the plain one, so the simulator is not asked about it).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 import time
@@ -116,7 +115,7 @@ def _run(args, argv) -> str:
             lad = ladder(a.top_k)
             for name in PRESETS + ABLATION + QUANT:
                 base = lad[name] if name in lad else OffloadConfig.preset(name)
-                cfg = dataclasses.replace(base, link=link_name, slots=slots, layer_compute_s=layer_s)
+                cfg = base.replace(link=link_name, slots=slots, layer_compute_s=layer_s)
                 r = run_runtime(model, prompts, cfg, args.new_tokens)
                 ratios[link_name, share, name] = r["tok_s"]
                 if name in QUANT:

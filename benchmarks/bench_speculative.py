@@ -17,7 +17,6 @@ window's tokens are checked to equal plain decoding's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 import time
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> str:
     matches = draft_matches(draft, trace)
     shape = ModelShape.from_adapter(a)
     hw = run_hardware(args.link, layer_s, compute)
-    cfg = dataclasses.replace(OffloadConfig.preset("fate"), link=args.link, slots=args.slots, layer_compute_s=layer_s)
+    cfg = OffloadConfig.preset("fate").replace(link=args.link, slots=args.slots, layer_compute_s=layer_s)
 
     # measured: plain fate (window 0) and each window, tokens checked against plain decoding
     rows, sims = [], []

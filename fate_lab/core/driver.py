@@ -131,7 +131,7 @@ class DriverCore:
                     self._check_quantizable(s)
         self.slot_specs, self.slot_bytes, scratch = slot_sizing(self.quant, M, es, shape.dtype, shape.nbytes(None))
         self.standin_bytes = 0
-        if config.lossy == "standin":
+        if config.lossy.kind == "standin":
             if shape.expert_width % STANDIN_SPEC.group_size or shape.intermediate % STANDIN_SPEC.group_size:
                 raise ValueError(f"lossy='standin' keeps INT2 copies with group size {STANDIN_SPEC.group_size}, which "
                                  f"must divide the hidden size {shape.expert_width} and the expert width "
@@ -192,7 +192,7 @@ class DriverCore:
             cls, value = ValueCache, {"value_prefetch": c.prefetch_value, "host_fill": c.host_fill,
                                       "low_offered": c.prefetch_low}
         self.cache = cls(self.slots_per_layer, self.replacement, self.shape.top_k, self.prefetch_buffers, link,
-                         self.stats.layers, cache=c.cache, admit_on_use=c.admit_prefetch == "on_use",
+                         self.stats.layers, cache=c.cache.keep, admit_on_use=c.admit_prefetch == "on_use",
                          link_budget=c.prefetch_budget == "link", placement=self.placement, **value)
         assert self.cache.num_slots == self.num_slots
         return self.cache
@@ -221,7 +221,7 @@ class DriverCore:
     def event(self, kind: str, m: int, e: int, t0: float, t1: float) -> None:
         """Append (kind, layer, expert, start, end) to the timeline (relative to `t_origin`)."""
         tl = self.stats.timeline
-        if self.config.timeline and len(tl) < self.config.timeline_max_events:
+        if self.config.timeline.on and len(tl) < self.config.timeline_max_events:
             tl.append((kind, m, e, t0 - self.t_origin, t1 - self.t_origin))
 
     def stall(self, m: int, e: int, w0: float, w1: float) -> None:

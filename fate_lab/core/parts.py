@@ -41,10 +41,10 @@ def build_predictor(config: OffloadConfig, shape: ModelShape) -> Predictor | Non
 def build_miss_policy(config: OffloadConfig, shape: ModelShape) -> MissPolicy | None:
     """The lossy decode rule of a config (None: lossless); substitute loads the similarity table (from
     ``config.similarity`` or else the model's own folder) and checks it against the shape."""
-    if config.lossy is None:
+    if config.lossy.kind is None:
         return None
     table = None
-    if config.lossy == "substitute":
+    if config.lossy.kind == "substitute":
         from fate_lab.policy.similarity import FIT_COMMAND, load_similarity
 
         table = load_similarity(config.similarity or shape.source or None)
@@ -52,4 +52,4 @@ def build_miss_policy(config: OffloadConfig, shape: ModelShape) -> MissPolicy | 
             raise ValueError(f"the expert similarity table is for {table.num_layers} MoE layers x {table.num_experts} "
                              f"experts, the model has {shape.num_moe_layers} x {shape.num_experts}: compute one for "
                              f"this model ({FIT_COMMAND}) and set similarity=DIR")
-    return MissPolicy(config.lossy, config.lossy_threshold, table, config.min_similarity, config.standin_window)
+    return MissPolicy(config.lossy.kind, config.lossy_threshold, table, config.min_similarity, config.standin_window)

@@ -15,7 +15,6 @@ What it is not: a downloader (local folders only) or a converter of quantized ch
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -78,9 +77,9 @@ def load_offloaded(path: str | Path, config: OffloadConfig | None = None, dtype:
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate', store='ssd')), got "
                         f"{type(config).__name__}")
-    if config.store != "ssd":
-        raise ValueError(f"OffloadConfig.store={config.store!r}: load_offloaded serves the experts from the checkpoint "
-                         "files, store='ssd' (use load_model + offload to hold every expert in RAM)")
+    if config.store.kind != "ssd":
+        raise ValueError(f"OffloadConfig.store={config.store.kind!r}: load_offloaded serves the experts from the "
+                         "checkpoint files, store='ssd' (use load_model + offload to hold every expert in RAM)")
     if config.checkpoint is not None and Path(config.checkpoint).resolve() != path.resolve():
         raise ValueError(f"OffloadConfig.checkpoint={config.checkpoint!r} is not the folder opened ({path}); leave it "
                          "None, load_offloaded sets it")
@@ -90,7 +89,7 @@ def load_offloaded(path: str | Path, config: OffloadConfig | None = None, dtype:
                          "and records a trace, which a model opened with load_offloaded cannot do (its experts stay on "
                          "disk): name a preset (e.g. 'fate'), or plan where the model fits in memory "
                          "(fate_lab.study.auto.plan_auto) and pass the config it returns")
-    config = dataclasses.replace(config, checkpoint=str(path))
+    config = config.replace(checkpoint=str(path))
     model, index, report = load_without_experts(path, resolve_dtype(dtype), device)
     if model.config.model_type not in experts_interface_families():
         raise ValueError(f"{path} is a {model.config.model_type!r} model; load_offloaded opens causal-LM MoE families "

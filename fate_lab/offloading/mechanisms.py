@@ -31,12 +31,12 @@ def build_store(core: DriverCore, adapter: MoEAdapter, device: torch.device, ind
     checkpoint (`load_offloaded`)."""
     cfg = core.config
     pin = device.type == "cuda"
-    if cfg.store == "ram":
+    if cfg.store.kind == "ram":
         base: HostStore = RamStore.from_adapter(adapter, pin=pin)
     else:
         if cfg.checkpoint is None and index is None:
             raise ValueError("OffloadConfig(store='ssd') needs checkpoint=<safetensors file or folder of the model>")
-        tier = DiskStore if cfg.link == "disk" else SafetensorsStore  # the disk link reads with O_DIRECT
+        tier = DiskStore if cfg.link.name == "disk" else SafetensorsStore  # the disk link reads with O_DIRECT
         base = tier.open(adapter, cfg.checkpoint if index is None else index.folder, index=index)
     if core.quant is None:
         return base
@@ -72,17 +72,17 @@ def build_engine(store: HostStore, slots: DeviceSlots, link: LinkProfile | None,
 def check_setup(config, family: str, device: torch.device, experts_in_memory: bool) -> None:
     """Refuse, before anything is taken, what this model and device cannot run (named, with what to do)."""
     fam = family
-    if config.link == "disk" and config.store != "ssd":
+    if config.link.name == "disk" and config.store.kind != "ssd":
         raise ValueError(f"{fam}: link='disk' reads experts from the checkpoint's files: set store='ssd' (and "
                          "checkpoint=<the folder the model was loaded from>)")
-    if config.store == "ssd" and experts_in_memory and device.type != "cpu":
+    if config.store.kind == "ssd" and experts_in_memory and device.type != "cpu":
         raise ValueError(f"{fam}: store='ssd' with the model's experts in {device.type} memory: close() could "
                          "give them back only by reading the checkpoint again, which may have changed or vanished "
                          "by then. Use store='ram' (a host copy of the caller's experts), or open the checkpoint "
                          "with fate_lab.load_offloaded(path, config), whose experts live only in the file")
     if not experts_in_memory:
-        if is_scaled(config.link) and config.layer_compute_s is None:
-            raise ValueError(f"link={config.link!r} is scaled to this machine's layer time, which cannot be "
+        if is_scaled(config.link.name) and config.layer_compute_s is None:
+            raise ValueError(f"link={config.link.name!r} is scaled to this machine's layer time, which cannot be "
                              "measured on a model whose experts were never loaded (load_offloaded): give "
                              "OffloadConfig(layer_compute_s=...) or an unscaled link")
         if config.allocation == "miss_curve" and config.miss_curves is None:

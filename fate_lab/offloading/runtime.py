@@ -85,10 +85,11 @@ class Runtime:
         self.expert_bytes = self.shape.nbytes(None)  # one expert at full precision (the model's dtype), biases included
         # the scaled link's calibration needs the experts still in place
         self.layer_compute_s = None
-        if is_scaled(config.link):
+        if is_scaled(config.link.name):
             self.layer_compute_s = config.layer_compute_s or calibrate_layer_time(model, config.calibration_steps)
-        native = self.device.type == "cuda" and config.native_link and config.link != "instant"
-        self.core = DriverCore(config, self.shape, run_hardware(config.link, self.layer_compute_s), driver="runtime",
+        native = self.device.type == "cuda" and config.native_link and config.link.name != "instant"
+        hw = run_hardware(config.link.name, self.layer_compute_s)
+        self.core = DriverCore(config, self.shape, hw, driver="runtime",
                                router=a.host_routers(), link_note=" [native CUDA]" if native else "",
                                miss_curves=self._calibration_curves)
         self.store = build_store(self.core, a, self.device, index)
@@ -124,7 +125,7 @@ class Runtime:
         self._link = EngineLink(core, self.engine)
         self.cache = core.build_cache(self._link)
         self.standin: list[list[PackedExpert]] | None = None
-        if self.config.lossy == "standin":  # HOBBIT: every expert's INT2 copy moves to the device once, up front
+        if self.config.lossy.kind == "standin":  # HOBBIT: every expert's INT2 copy moves to the device once, up front
             self.standin = [[pack_expert(self.store.fetch(m, e), STANDIN_SPEC).to(self.device)
                              for e in range(self.num_experts)] for m in range(M)]
         core.t_origin = time.perf_counter()

@@ -135,7 +135,7 @@ def plan_offload(config, *, num_layers: int, num_experts: int, top_k: int, slot_
         from fate_lab.policy.placement import host_layer_set
 
         on_host = host_layer_set(getattr(config, "host", None), getattr(config, "host_layers", 0), num_layers)
-        return plan, [c if config.cache and m not in on_host else 0 for m, c in enumerate(fixed)], buffers
+        return plan, [c if config.cache.keep and m not in on_host else 0 for m, c in enumerate(fixed)], buffers
     if config.budget is not None and not config.all_resident:
         plan = plan_memory(config.budget, dense_bytes, kv_bytes_per_token, config.context_len, slot_expert_bytes,
                            num_layers, top_k, pools, num_experts=num_experts, scratch_bytes=scratch_bytes)
@@ -153,7 +153,7 @@ def plan_offload(config, *, num_layers: int, num_experts: int, top_k: int, slot_
         if config.miss_curves is None and miss_curves is None:
             raise ValueError("allocation='miss_curve' needs miss curves: set OffloadConfig.miss_curves")
         params = {"curves": config.miss_curves if config.miss_curves is not None else miss_curves()}
-    cache_total = plan.cache_total if config.cache else 0
+    cache_total = plan.cache_total if config.cache.keep else 0
     from fate_lab.policy.placement import host_layer_set
 
     on_host = host_layer_set(getattr(config, "host", None), getattr(config, "host_layers", 0), num_layers)

@@ -286,7 +286,7 @@ def trace_steps(trace: Trace) -> list[tuple[int, int]]:
 
 def needs_router(config: OffloadConfig) -> bool:
     """True when a config reads the router's scores (cross-layer or learned gate, commit, router_ema)."""
-    return config.predictor in ("cross_layer_gate", "learned_gate") or config.lossy == "commit" or \
+    return config.predictor in ("cross_layer_gate", "learned_gate") or config.lossy.kind == "commit" or \
         POLICIES[config.replacement.lower()].needs_scores
 
 
@@ -305,8 +305,8 @@ def check_trace(trace: Trace, config: OffloadConfig, shape: ModelShape, router=N
         raise ValueError(f"the trace is of a model with {trace.num_experts} experts per layer (ids up to "
                          f"{trace.num_experts - 1}), the shape has {shape.num_experts}: simulate it with the shape of "
                          "the model it was recorded on (a routing array: from_routing_array(..., num_experts=E))")
-    if config.lossy in ("drop", "substitute") and trace.weights is None:
-        raise ValueError(f"lossy={config.lossy!r} reads the top-k gate weights: simulate a trace that has them "
+    if config.lossy.kind in ("drop", "substitute") and trace.weights is None:
+        raise ValueError(f"lossy={config.lossy.kind!r} reads the top-k gate weights: simulate a trace that has them "
                          "(record_trace keeps them)")
     if not needs_router(config):
         return None
@@ -337,5 +337,5 @@ def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: Mod
     for a, b in trace_steps(trace):  # the trace's phase: a prompt's first forward is its prefill, one token or more
         sim.forward(trace.experts[a:b], None if gi is None else gi[a:b],
                     phase="prefill" if phase[a] == PREFILL else "decode",
-                    weights=None if config.lossy is None else trace.weights[a:b])
+                    weights=None if config.lossy.kind is None else trace.weights[a:b])
     return sim.stats

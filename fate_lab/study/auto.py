@@ -96,7 +96,7 @@ def _has_probes(shape: ModelShape, request: OffloadConfig) -> bool:
 
 def _sized(cfg: OffloadConfig, request: OffloadConfig) -> OffloadConfig:
     """cfg with the request's cache size, link and run settings (and no plan request left)."""
-    return dataclasses.replace(cfg, auto=None, **{f: getattr(request, f) for f in SIZE_FIELDS})
+    return cfg.replace(auto=None, **{f: getattr(request, f) for f in SIZE_FIELDS})
 
 
 def _moves(c: OffloadConfig, ctx: _Context) -> list[tuple[str, OffloadConfig]]:
@@ -105,7 +105,7 @@ def _moves(c: OffloadConfig, ctx: _Context) -> list[tuple[str, OffloadConfig]]:
 
     def add(label: str, **kw) -> None:
         try:
-            out.append((label, dataclasses.replace(c, **kw)))
+            out.append((label, c.replace(**kw)))
         except ValueError:
             pass
 
@@ -194,7 +194,7 @@ def plan_auto(calibration: Trace, shape: ModelShape, hardware: Hardware, request
             if progress:
                 print(f"auto: {label} {best:.1f} tok/s", flush=True)
     ranked = sorted(seen.items(), key=lambda kv: -kv[1])
-    pick = dataclasses.replace(ranked[0][0], name=request.name)
+    pick = ranked[0][0].replace(name=request.name)
     return AutoPlan(pick, tuple((names[c], v) for c, v in ranked), calibration.num_tokens)
 
 
@@ -242,13 +242,13 @@ def _resolve_for_model(config: OffloadConfig, model) -> OffloadConfig:
     if key in _resolved:
         return _resolved[key]
     layer_s = config.layer_compute_s
-    if is_scaled(config.link) and layer_s is None:
+    if is_scaled(config.link.name) and layer_s is None:
         layer_s = calibrate_layer_time(model, max(config.calibration_steps, 12))
     trace, ids = _short_calibration(model, model_source(model))
-    compute = calibrate_compute(model, ids, link=None if config.link == "instant" else config.link,
+    compute = calibrate_compute(model, ids, link=None if config.link.name == "instant" else config.link.name,
                                 layer_compute_s=layer_s, quant=config.quant if config.auto == "quant" else None)
-    hw = dataclasses.replace(run_hardware(config.link, layer_s), compute=compute)
-    request = dataclasses.replace(config, layer_compute_s=layer_s)
+    hw = dataclasses.replace(run_hardware(config.link.name, layer_s), compute=compute)
+    request = config.replace(layer_compute_s=layer_s)
     _resolved[key] = plan_auto(trace, shape, hw, request).config
     return _resolved[key]
 

@@ -9,7 +9,6 @@ What it is not: an assertion of speed. Machines are shared and noisy; report the
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -97,8 +96,8 @@ def calibrated(model, configs: dict[str, OffloadConfig]) -> dict[str, OffloadCon
 
     out = {}
     for name, cfg in configs.items():
-        if is_scaled(cfg.link) and cfg.layer_compute_s is None:
-            cfg = dataclasses.replace(cfg, layer_compute_s=machine_clock(model).layer_s)
+        if is_scaled(cfg.link.name) and cfg.layer_compute_s is None:
+            cfg = cfg.replace(layer_compute_s=machine_clock(model).layer_s)
         out[name] = cfg
     return out
 

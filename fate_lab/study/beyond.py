@@ -10,8 +10,6 @@ What it is not: a claim about speed on its own; the rows are ratios measured in 
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pandas as pd
 import torch
 
@@ -68,7 +66,7 @@ def side_by_side(model, tokenizer, prompts: list[str], configs: dict, link: str 
     over = {"link": link, "layer_compute_s": layer_s}
     if slots is not None:
         over.update(slots=slots, budget=None)
-    configs = {name: dataclasses.replace(cfg, **over) for name, cfg in configs.items()}
+    configs = {name: cfg.replace(**over) for name, cfg in configs.items()}
     rounds: dict[str, list[dict]] = {name: [] for name in configs}
     with tqdm(total=repeats * len(configs), desc="configs", unit="run") as bar:
         for _ in range(repeats):

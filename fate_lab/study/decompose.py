@@ -62,8 +62,8 @@ PREVIOUS = {"cache": "load_on_demand", "allocation": "cache", "replacement": "al
 def ladder(shape: ModelShape) -> dict[str, OffloadConfig]:
     """The steps of the decomposition as configs (cache size set per regime)."""
     lru = OffloadConfig.preset("lru")
-    shallow = dataclasses.replace(lru, name="lru+shallow", allocation="shallow")
-    arc = dataclasses.replace(shallow, name="arc+shallow", replacement="arc")
+    shallow = lru.replace(name="lru+shallow", allocation="shallow")
+    arc = shallow.replace(name="arc+shallow", replacement="arc")
     fate = OffloadConfig.preset("fate")
     return {"load_on_demand": OffloadConfig.preset("load_on_demand"), "cache": lru, "allocation": shallow,
             "replacement": arc, "prediction": fate, "quantization": OffloadConfig.preset("fate_quant"),
@@ -118,9 +118,9 @@ def regime_steps(trace: Trace, shape: ModelShape, hw: Hardware, hw_quant: Hardwa
     steps = ladder(shape)
     out, stats = {}, {}
     for name, cfg in steps.items():
-        st = simulate(trace, dataclasses.replace(cfg, slots=slots), hw_quant if cfg.quant else hw, shape)
+        st = simulate(trace, cfg.replace(slots=slots), hw_quant if cfg.quant else hw, shape)
         out[name], stats[name] = st.decode_tok_s, st
-    fate = dataclasses.replace(steps["prediction"], slots=slots)
+    fate = steps["prediction"].replace(slots=slots)
     for name, pred in (("oracle", Oracle(trace.experts)),
                        ("filtered", Filtered(build_predictor(fate, shape), trace.experts))):
         st = simulate(trace, fate, hw, shape, predictor=pred)
@@ -207,9 +207,9 @@ def eap_configs(shape: ModelShape, calibration: Trace | None = None) -> dict[str
            "activation_path": OffloadConfig.preset("activation_path"), "eap": eap}
     if calibration is not None:
         seed = activation_matrices(calibration.experts, calibration.prompt_id, shape.num_experts).tolist()
-        out["eap (profiled)"] = dataclasses.replace(eap, name="eap (profiled)", activation_collection=tuple(
+        out["eap (profiled)"] = eap.replace(name="eap (profiled)", activation_collection=tuple(
             tuple(tuple(float(x) for x in row) for row in m) for m in seed))
-    out["eap_quant"] = dataclasses.replace(eap, name="eap_quant", quant="fate")
+    out["eap_quant"] = eap.replace(name="eap_quant", quant="fate")
     return out
 
 
@@ -229,7 +229,7 @@ def versus_eap(trace: Trace, shape: ModelShape, model: str = "", compute: Comput
         hw, hwq = ratio_hardware(shape, compute, r), ratio_hardware(shape, compute, r, "fate")
         for share in shares:
             slots = int(shape.num_moe_layers * shape.num_experts * share)
-            v = {n: simulate(trace, dataclasses.replace(c, slots=slots), hwq if c.quant else hw, shape).decode_tok_s
+            v = {n: simulate(trace, c.replace(slots=slots), hwq if c.quant else hw, shape).decode_tok_s
                  for n, c in cfgs.items()}
             best = max(x for n, x in v.items() if n not in ("fate", "fate_quant", "eap_quant"))
             rows.append({"model": model, "ratio": r, "cached": share, **{f"{n} tok/s": x for n, x in v.items()},
@@ -316,7 +316,7 @@ def decompose_runtime(model, tokenizer, points, prompts: int = 2, new_tokens: in
         compute = {q: calibrate_compute(model, torch.tensor([ids[0]]), link=link, layer_compute_s=layer_s, quant=q)
                    for q in (None, "fate")}
         for step, cfg in ladder(shape).items():
-            cfg = dataclasses.replace(cfg, slots=slots, link=link, layer_compute_s=layer_s)
+            cfg = cfg.replace(slots=slots, link=link, layer_compute_s=layer_s)
             rates = []
             with offload(model, cfg) as rt:
                 _run(model, ids[:1], 4)

@@ -147,7 +147,7 @@ def presets_for(model: str | Path | None, names) -> list[str]:
         cfg = OffloadConfig.preset(name)
         if cfg.predictor == "learned_gate" and cfg.probes is None and not (folder / PROBES_FILE).is_file():
             skipped.append(f"{name} (no {PROBES_FILE}: python -m fate_lab fit-probes --model {folder})")
-        elif cfg.lossy == "substitute" and cfg.similarity is None and not (folder / SIMILARITY_FILE).is_file():
+        elif cfg.lossy.kind == "substitute" and cfg.similarity is None and not (folder / SIMILARITY_FILE).is_file():
             skipped.append(f"{name} (no {SIMILARITY_FILE}: python -m fate_lab fit-similarity --model {folder})")
         else:
             keep.append(name)

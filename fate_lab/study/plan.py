@@ -190,7 +190,7 @@ def plan(model: str, device_name: str, budget: str | int | None = None, link: st
         p = core.plan
         out.memory.append({"config": name, "dense (GiB)": p.dense_bytes / 2**30, "KV cache (GiB)": p.kv_bytes / 2**30,
                            "buffers (GiB)": p.buffer_bytes / 2**30,
-                           "experts cached (GiB)": p.cache_bytes / 2**30 if cfg.cache or cfg.all_resident else 0.0,
+                           "experts cached (GiB)": p.cache_bytes / 2**30 if cfg.cache.keep or cfg.all_resident else 0.0,
                            "expert slots": sum(core.slots_per_layer), "slots per layer": list(core.slots_per_layer),
                            "share of experts": sum(core.slots_per_layer) / (shape.num_moe_layers * shape.num_experts)})
         if needs_router(cfg) and (tr.gate_inputs is None or tr.router_weights is None):

@@ -205,7 +205,7 @@ def lossy_quality(model: nn.Module, config: OffloadConfig, reference: Reference,
         raise RuntimeError("this model is already offloaded by a Runtime; close() it, then pass the plain model")
     from fate_lab.study.clock import pinned
 
-    stepwise = config.lossy is not None if stepwise is None else stepwise
+    stepwise = config.lossy.kind is not None if stepwise is None else stepwise
     with pinned(), offload(model, config) as rt:  # torch's threads held while measuring (study/clock.py)
         out = measure(model, reference, progress, stepwise)
         summary = rt.stats.summary()

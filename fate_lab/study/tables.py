@@ -165,7 +165,7 @@ def with_miss_curves(config: OffloadConfig, calibration: Trace, predictions: lis
     curves = _memo(calibration, key, lambda: miss_curves(
         calibration.experts, calibration.num_experts, policy=config.replacement, predictions=preds,
         prefetch_buffer=buffer, admit_prefetch=config.admit_prefetch))
-    return dataclasses.replace(config, allocation="miss_curve", miss_curves=tuple(map(tuple, curves)))
+    return config.replace(allocation="miss_curve", miss_curves=tuple(map(tuple, curves)))
 
 
 def cache_table(trace: Trace, config: OffloadConfig, calibration: Trace | None = None,
@@ -177,7 +177,7 @@ def cache_table(trace: Trace, config: OffloadConfig, calibration: Trace | None =
     if config.allocation == "miss_curve" and config.miss_curves is None:
         config = with_miss_curves(config, calibration, oracle_predictions(calibration) if oracle else None)
     preds = oracle_predictions(trace) if oracle else replay_predictions(trace, config)
-    cfg = dataclasses.replace(config, predictor=None, prefetch_buffer_experts=(
+    cfg = config.replace(predictor=None, prefetch_buffer_experts=(
         (config.prefetch_buffer_experts or trace.top_k) if preds is not None else 0))
     st = replay(trace, cfg, predictions=preds)
     rows = [{"layer": m, "slots": st.slots_per_layer[m], "uses": layer["prefill"].uses + layer["decode"].uses,

@@ -163,7 +163,7 @@ def sim_table(trace, configs: dict[str, OffloadConfig], hardware: Hardware, shap
     asked for; ``slots`` is what the config got, e.g. 0 for load-on-demand), with a progress bar."""
     from tqdm.auto import tqdm
 
-    jobs = [(n, s, c if s is None else dataclasses.replace(c, slots=s, budget=None))
+    jobs = [(n, s, c if s is None else c.replace(slots=s, budget=None))
             for s in (slots or [None]) for n, c in configs.items()]
     rows = [{**sim_row(trace, c, hardware, shape, n), "cache size": s}
             for n, s, c in tqdm(jobs, desc="simulate", unit="run")]
@@ -181,14 +181,14 @@ def config_for(allocation: str, boundary: int, replacement: str, predictor: str,
     if allocation == "miss_curve":
         if calibration is None:
             raise ValueError("allocation='miss_curve' needs a calibration trace")
-        base = dataclasses.replace(base, miss_curves=tuple(map(tuple, lru_miss_curves(calibration.experts,
+        base = base.replace(miss_curves=tuple(map(tuple, lru_miss_curves(calibration.experts,
                                                                                      calibration.num_experts))))
     if predictor == "none (cache only)":
-        return dataclasses.replace(base, predictor=None, prefetch_buffer_experts=None)
+        return base.replace(predictor=None, prefetch_buffer_experts=None)
     if predictor == "cross-layer top-k":
-        return dataclasses.replace(base, rule=None)  # the runtime's TopK(model's top_k)
+        return base.replace(rule=None)  # the runtime's TopK(model's top_k)
     if predictor == "cross-layer percentile 75":
-        return dataclasses.replace(base, rule=Percentile(75.0))
+        return base.replace(rule=Percentile(75.0))
     raise ValueError(f"the simulator runs the predictors the runtime has; {predictor!r} is replay-only")
 
 
@@ -200,7 +200,7 @@ def ratio_curve(trace, configs: dict[str, OffloadConfig], compute, shape: ModelS
     for r in ratios:
         hw = Hardware(compute, LinkProfile(f"ratio {r}", shape.nbytes(None) / (r * layer_s), 0.0))
         for name, cfg in configs.items():
-            cfg = cfg if slots is None else dataclasses.replace(cfg, slots=slots, budget=None)
+            cfg = cfg if slots is None else cfg.replace(slots=slots, budget=None)
             rows.append({"ratio": r, "config": name, "decode tok/s": simulate(trace, cfg, hw, shape).decode_tok_s})
     return pd.DataFrame(rows)
 

@@ -5,7 +5,6 @@ The host path must not change a token: it computes the same expert from the stor
 and the simulator like every other counter (tests/sim/test_parity.py runs the static placements;
 here a deterministic rule stands in for the cost model so the instant link can compare them).
 """
-import dataclasses
 
 import pytest
 import torch
@@ -82,7 +81,7 @@ def test_host_compute_keeps_greedy_tokens_exactly(name, cfg):
     for family, model in _models():
         ids = prompt_ids(model.config.vocab_size, n=12)
         ref, ref_scores = greedy(model, ids, 10)
-        with offload(model, dataclasses.replace(cfg, host=None, host_layers=0)) as rt:
+        with offload(model, cfg.replace(host=None, host_layers=0)) as rt:
             _, device_scores = greedy(model, ids, 10)
         with offload(model, cfg) as rt:
             out, scores = greedy(model, ids, 10)

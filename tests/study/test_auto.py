@@ -29,7 +29,7 @@ def test_the_pick_is_the_calibration_best_and_keeps_the_requests_size_and_kind(r
     plan = plan_auto(calib, shape, hw, OffloadConfig.preset(request_name, slots=64), rounds=1)
     c = plan.config
     assert (c.name, c.slots, c.auto) == (request_name, 64, None)
-    assert (c.quant is not None) == (request_name == "auto_quant") and c.lossy is None
+    assert (c.quant is not None) == (request_name == "auto_quant") and c.lossy.kind is None
     named = {name: simulate(calib, OffloadConfig.preset(name, slots=64), hw, shape).decode_tok_s for name in starts}
     assert plan.scores[0][1] == simulate(calib, c, hw, shape).decode_tok_s >= max(named.values())
     assert plan.frame()["vs pick"].max() == 1.0 and plan.describe().startswith(plan.scores[0][0])

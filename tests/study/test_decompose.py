@@ -1,5 +1,4 @@
 """The decomposition: its factors multiply to the total, and its counterfactual predictors are what they claim."""
-import dataclasses
 import math
 
 import pandas as pd
@@ -113,7 +112,7 @@ def test_versus_eap_against_the_simulator_run_by_hand():
     hw, hwq = ratio_hardware(shape, comp, 4.0), ratio_hardware(shape, comp, 4.0, "fate")
     eap = OffloadConfig.preset("eap", slots=slots)
     speed = {"eap": simulate(ev, eap, hw, shape).decode_tok_s,
-             "eap_quant": simulate(ev, dataclasses.replace(eap, quant="fate"), hwq, shape).decode_tok_s,
+             "eap_quant": simulate(ev, eap.replace(quant="fate"), hwq, shape).decode_tok_s,
              "fate_quant": simulate(ev, OffloadConfig.preset("fate_quant", slots=slots), hwq, shape).decode_tok_s}
     assert row["eap tok/s"] == pytest.approx(speed["eap"])
     assert row["eap_quant tok/s"] == pytest.approx(speed["eap_quant"])
