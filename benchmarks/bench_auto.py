@@ -156,7 +156,7 @@ def _greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 def _measure(model, prompts, cfg: OffloadConfig, new_tokens: int, repeats: int) -> dict:
     """Median decode tok/s of `repeats` runs (2 prompts each, after a warm-up), their spread and the tokens."""
-    from fate_lab.offloading.runtime import offload
+    from fate_lab import offload  # plans an auto request first
 
     rates, tokens = [], None
     with offload(model, cfg) as rt:

@@ -21,36 +21,43 @@ _EXPORTS = {
     "Trace": "fate_lab.model.trace",
     "record_trace": "fate_lab.model.record",
     "from_routing_array": "fate_lab.model.trace",
-    "offload": "fate_lab.offloading.runtime",
     "Runtime": "fate_lab.offloading.runtime",
     "load_offloaded": "fate_lab.offloading.load",
     "OffloadConfig": "fate_lab.core.config",
     "ModelShape": "fate_lab.core.shape",
     "RunStats": "fate_lab.policy.stats",
-    "simulate": "fate_lab.sim.simulate",
     "replay": "fate_lab.sim.replay",
     "Hardware": "fate_lab.hardware.setups",
     "SETUPS": "fate_lab.hardware.setups",
     "calibrate_compute": "fate_lab.fit.calibrate",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "offload", "simulate"])
 
 
-def _plan_request(config, shape, hardware, model):
-    """Resolve an `auto` / `auto_quant` config with the planner (imported only when one is asked for)."""
-    from fate_lab.study.auto import resolve
+def offload(model, config=None):
+    """`fate_lab.offloading.runtime.offload` (the runtime's own docs), with a plan request (the `auto` / `auto_quant`
+    presets) planned first on this model by `fate_lab.study.auto.resolve`: the planner sits above the drivers and
+    is called here, explicitly, never from below."""
+    from fate_lab.offloading.runtime import offload as run
 
-    return resolve(config, shape=shape, hardware=hardware, model=model)
+    if config is not None and getattr(config, "auto", None) is not None:
+        from fate_lab.study.auto import resolve
+
+        config = resolve(config, model=model)
+    return run(model, config)
 
 
-def _register_planner() -> None:
-    from fate_lab.core import autoplan
+def simulate(trace, config, hardware, shape, miss_curves=None, router=None, predictor=None):
+    """`fate_lab.sim.simulate.simulate` (the simulator's own docs), with a plan request planned first from a
+    calibration trace of the shape's model (never this trace) by `fate_lab.study.auto.resolve`."""
+    from fate_lab.sim.simulate import simulate as run
 
-    autoplan.set_resolver(_plan_request)
+    if getattr(config, "auto", None) is not None:
+        from fate_lab.study.auto import resolve
 
-
-_register_planner()
+        config = resolve(config, shape=shape, hardware=hardware)
+    return run(trace, config, hardware, shape, miss_curves=miss_curves, router=router, predictor=predictor)
 
 
 def __getattr__(name: str):

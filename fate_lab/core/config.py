@@ -121,7 +121,7 @@ def _by_part(flat: dict, prefetch: PrefetchConfig) -> dict[str, dict]:
         if path == ("prefetch", "value"):
             if not isinstance(v, bool):
                 raise ValueError(f"OffloadConfig.prefetch_value={v!r}: give True or False [prefetch.value]")
-            value = (value or ValuePrefetch()) if v else None
+            value = (value if value is not None else ValuePrefetch()) if v else None
         elif len(path) == 3:
             sub[path[2]] = v
         else:
@@ -179,6 +179,16 @@ def _near(word: str, names: list[str]) -> str:
     """word quoted, with the names it is probably a typo of ("'fat' (did you mean 'fate'?)")."""
     close = difflib.get_close_matches(str(word), names, n=2, cutoff=0.75)
     return f"{word!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
+
+
+def refuse_plan_request(config: OffloadConfig, where: str) -> None:
+    """A plan request (`auto`, `auto_quant`) stops here: the planner sits above the drivers and is called
+    explicitly -- by `fate_lab.offload` / `fate_lab.simulate`, or by the caller (`fate_lab.study.auto.resolve`)."""
+    if config.auto is not None:
+        raise ValueError(f"OffloadConfig {config.name!r} is a plan request (auto={config.auto!r}) and {where} does not "
+                         "plan: call fate_lab.offload(model, config) or fate_lab.simulate(trace, config, hardware, "
+                         "shape), which plan it first, or plan it yourself with fate_lab.study.auto.resolve(config, "
+                         "...) or plan_auto(calibration_trace, ...)")
 
 
 def _check(c: OffloadConfig) -> None:

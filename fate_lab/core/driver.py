@@ -21,8 +21,7 @@ from typing import Protocol
 
 import torch
 
-from fate_lab.core.autoplan import resolved
-from fate_lab.core.config import OffloadConfig
+from fate_lab.core.config import OffloadConfig, refuse_plan_request
 from fate_lab.core.parts import build_miss_policy, build_predictor
 from fate_lab.core.shape import ModelShape
 from fate_lab.core.sizing import STANDIN_SPEC, slot_sizing, standin_pool_bytes
@@ -117,7 +116,7 @@ class DriverCore:
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate')), got "
                             f"{type(config).__name__}")
-        config = resolved(config, shape, hardware)  # a plan request (auto) becomes a concrete config
+        refuse_plan_request(config, "the driver core")
         self.config, self.shape, self.driver = config, shape, driver
         M, E, K = shape.num_moe_layers, shape.num_experts, shape.top_k
         es = shape.expert_shapes()

@@ -32,8 +32,7 @@ import time
 import torch
 from torch import nn
 
-from fate_lab.core.autoplan import resolved
-from fate_lab.core.config import OffloadConfig
+from fate_lab.core.config import OffloadConfig, refuse_plan_request
 from fate_lab.core.driver import DriverCore
 from fate_lab.core.shape import ModelShape
 from fate_lab.core.sizing import STANDIN_SPEC
@@ -63,7 +62,7 @@ class Runtime:
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate')), got "
                             f"{type(config).__name__}")
-        config = resolved(config, model=model)  # auto / auto_quant: planned from a short calibration on this model
+        refuse_plan_request(config, "fate_lab.offloading.runtime.offload")
         self.model, self.config = model, config
         if is_offloaded(model):
             raise RuntimeError("this model is already offloaded by a Runtime; close() that one first")

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fate_lab.core.autoplan import resolved
-from fate_lab.core.config import OffloadConfig
+from fate_lab.core.config import OffloadConfig, refuse_plan_request
 from fate_lab.core.driver import DriverCore, LinkContext, link_capacity, link_view
 from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.compute import ComputeProfile
@@ -295,6 +294,7 @@ def check_trace(trace: Trace, config: OffloadConfig, shape: ModelShape, router=N
     the model's own routers, `MoEAdapter.host_routers()`, for a router the trace's weights cannot reproduce)."""
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+    refuse_plan_request(config, "fate_lab.sim.simulate")
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a fate_lab Trace (record_trace / from_routing_array / Trace.load), got "
                         f"{type(trace).__name__}")
@@ -327,9 +327,8 @@ def simulate(trace: Trace, config: OffloadConfig, hardware: Hardware, shape: Mod
     """Run `config` over the trace on `hardware` (semantics in the module docstring); the predicted speeds are
     the returned stats' `ttft_s` and `decode_tok_s`. router: the model's own routers (`MoEAdapter.host_routers()`),
     needed where the trace's router weights cannot reproduce them (a non-linear router); default: the trace's.
-    A plan request (`auto`) is resolved first from a calibration trace of the shape's model (never this trace);
-    `predictor` replaces the config's (a study's bound)."""
-    config = resolved(config, shape, hardware)
+    A plan request (`auto`) is refused: `fate_lab.simulate` plans it first from a calibration trace of the shape's
+    model (never this trace); `predictor` replaces the config's (a study's bound)."""
     router = check_trace(trace, config, shape, router)
     sim = Simulator(config, hardware, shape, router=router, miss_curves=miss_curves, predictor=predictor)
     gi = trace.gate_inputs.float() if router is not None else None

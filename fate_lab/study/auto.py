@@ -10,9 +10,9 @@ host) and, for `auto_quant`, the precision mix (Fate's INT4/INT2, INT4 or INT8 e
 INT2) -- so it may combine mechanisms no named preset combines. Lossless (`auto`: exact tokens) and quantized
 (`auto_quant`) plans never mix. The trace a plan is scored on is never the one it decided from: callers hand in
 the calibration split (`lab.get_trace(..., split="calib")`) or the first tokens of a run.
-`resolve(config, shape, hardware, model)` is the hook `core/autoplan.py` calls for a plan request: with a model
-(`offload`) it calibrates this machine and records a short calibration trace first; with a shape and a hardware
-(`simulate`, the driver core) it uses the shape's model's calibration split.
+`resolve(config, shape, hardware, model)` is what `fate_lab.offload` and `fate_lab.simulate` call for a plan
+request (the drivers below refuse one): with a model (`offload`) it calibrates this machine and records a short
+calibration trace first; with a shape and a hardware (`simulate`) it uses the shape's model's calibration split.
 What it is not: a driver, or a guarantee -- the pick is the simulator's best on the calibration trace.
 """
 from __future__ import annotations
@@ -198,7 +198,7 @@ def plan_auto(calibration: Trace, shape: ModelShape, hardware: Hardware, request
     return AutoPlan(pick, tuple((names[c], v) for c, v in ranked), calibration.num_tokens)
 
 
-# --- the hook behind OffloadConfig.preset("auto") ---------------------------------------------------------------
+# --- what fate_lab.offload and fate_lab.simulate call for OffloadConfig.preset("auto") ---------------------------
 _resolved: dict = {}
 
 

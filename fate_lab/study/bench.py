@@ -64,9 +64,11 @@ def run_preset(model, input_ids: torch.Tensor, config: OffloadConfig, new_tokens
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig (e.g. OffloadConfig.preset('fate', slots=64)), got "
                         f"{type(config).__name__}")
-    from fate_lab.core.autoplan import resolved
+    from fate_lab.study.auto import resolve
 
-    name, config = config.name, resolved(config, model=model)  # an auto preset is planned once, not per repeat
+    name = config.name
+    if config.auto is not None:  # a plan request is planned once, on this model, not per repeat
+        config = resolve(config, model=model)
     with pinned():
         with offload(model, config):  # warm-up in a runtime of its own: the first forwards allocate, and a
             time_generate(model, input_ids[:, :8], 2)  # warm-up in the measured one would warm its cache

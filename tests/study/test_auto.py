@@ -4,6 +4,7 @@ import pytest
 import torch
 from helpers import greedy, prompt_ids
 
+import fate_lab
 from fate_lab.core.config import OffloadConfig
 from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.setups import Hardware
@@ -41,8 +42,23 @@ def test_a_plan_request_is_refused_where_no_planner_can_calibrate():
     with pytest.raises(ValueError, match="compute profile"):
         resolve(OffloadConfig.preset("auto"), ModelShape(1, 1, 4, 1, 8, 8, torch.float32, 0, 0), Hardware(None, None))
     with pytest.raises(ValueError, match="names no model folder"):
-        simulate(None, OffloadConfig.preset("auto"), Hardware.scaled(SETUP),
-                 ModelShape(1, 1, 4, 1, 8, 8, torch.float32, 0, 0))
+        fate_lab.simulate(None, OffloadConfig.preset("auto"), Hardware.scaled(SETUP),
+                          ModelShape(1, 1, 4, 1, 8, 8, torch.float32, 0, 0))
+
+
+def test_the_drivers_refuse_a_plan_request_and_name_the_calls_that_plan_it(embedded_model, calib):
+    # the planner is called explicitly by fate_lab.offload / fate_lab.simulate; below them a request is refused
+    from fate_lab.core.driver import DriverCore
+    from fate_lab.offloading.runtime import offload
+
+    model, _ = embedded_model("tiny_moe")
+    shape = ModelShape.from_adapter(adapt(model))
+    for call in (lambda: offload(model, OffloadConfig.preset("auto", slots=8)),
+                 lambda: simulate(calib, OffloadConfig.preset("auto_quant", slots=8), Hardware.scaled(SETUP), shape),
+                 lambda: DriverCore(OffloadConfig.preset("auto"), shape, Hardware.scaled(SETUP), driver="replay")):
+        with pytest.raises(ValueError, match=r"is a plan request .* call fate_lab.offload\(model, config\) or "
+                                             r"fate_lab.simulate"):
+            call()
 
 
 @pytest.mark.slow
