@@ -26,8 +26,8 @@ def embedded_models() -> list:
             for name, folder in EMBEDDED_MODELS.items()]
 
 
-class ScriptedLink:
-    """A `policy.cache.Link` a test drives by hand: transfers land only when the test says so.
+class ScriptedMover:
+    """A `policy.cache.Mover` a test drives by hand: transfers land only when the test says so.
 
     ``instant=True`` lands every transfer in ``submit`` (the replay's link). Otherwise a transfer stays in
     flight until ``land(handle)``; ``wait`` lands it (the stall a test can count in ``waits``); ``cancel``

@@ -8,25 +8,26 @@ What this file is: `DriverCore`, built from one `OffloadConfig`, one `ModelShape
   5. the predictor and the lossy miss rule (`core/parts.py`), and the layer step's rules;
   6. the one expert cache, over the driver's own link (`build_cache`: the value cache when a value knob is on),
      and the all-resident preload;
-and the bookkeeping every driver repeats per forward: the phase, the per-phase layer-time estimate (an
-EMA, the prefetch window), precisions by reason, timeline events, stall time. A link (real engine,
-simulated, instant) sees the core only through `LinkContext`, a narrow named protocol.
-What it is not: a driver. It moves no bytes, computes no expert and reads no clock: the runtime, the
+and the precision each transfer travels at (`spec`). What a driver records while it runs (stats, timeline, stall,
+phase, layer-time estimate) is the `Recorder` (`recorder.py`) it builds and hands on: a link (real engine,
+simulated, instant) gets that recorder and `spec`, and nothing else of the core.
+What it is not: a driver or a recorder. It moves no bytes, computes no expert and reads no clock: the runtime, the
 simulator and the replay own their mechanisms and hand `run_layer` a `LayerCall`.
 """
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Callable
 
 import torch
 
 from fate_lab.core.config import OffloadConfig, refuse_plan_request
 from fate_lab.core.parts import build_miss_policy, build_predictor
+from fate_lab.core.recorder import Recorder
 from fate_lab.core.shape import ModelShape
 from fate_lab.core.sizing import STANDIN_SPEC, slot_sizing, standin_pool_bytes
 from fate_lab.hardware.setups import Hardware
-from fate_lab.policy.cache import ExpertCache, Link
+from fate_lab.policy.cache import ExpertCache, Mover
 from fate_lab.policy.placement import HostPlacement, host_layer_set
 from fate_lab.policy.planner import plan_offload
 from fate_lab.policy.predictors import Predictor
@@ -39,13 +40,7 @@ from fate_lab.policy.value import LinkView
 from fate_lab.policy.value_cache import ValueCache
 from fate_lab.quant import QuantPolicy, QuantSpec, expert_nbytes
 
-STALL_MIN_S = 2e-5  # a wait shorter than this is bookkeeping, not a stall
-WINDOW_EMA = 0.3  # weight of the newest forward in the per-phase layer-time estimate (prefetch window)
-
-
-def spec_label(spec: QuantSpec | None) -> str:
-    """A short name of a transfer precision for counters: 'fp', 'int4/g64', ..."""
-    return "fp" if spec is None else f"int{spec.bits}/g{spec.group_size}" + ("/hqq" if spec.refine else "")
+Precision = Callable[[int, str], "QuantSpec | None"]  # (MoE layer, reason) -> the precision a transfer travels at
 
 
 def link_capacity(window_s: float | None, backlog_s: float, transfer_s: float) -> int | None:
@@ -60,15 +55,15 @@ def link_capacity(window_s: float | None, backlog_s: float, transfer_s: float) -
     return max(0, math.ceil((window_s - backlog_s) / transfer_s - 1e-9))
 
 
-def link_view(ctx: "LinkContext", m: int, backlog_s: float, seconds) -> LinkView | None:
+def link_view(rec: Recorder, spec: Precision, m: int, backlog_s: float, seconds) -> LinkView | None:
     """The value planner's `LinkView` of a timed link for layer m's transfers: the phase's layer-time estimate,
     the link's backlog, and seconds(spec) of one transfer at each reason's precision. None before the first
     forward of the phase has been timed (the value cache then keeps the plain rule)."""
-    layer = ctx.layer_s()
+    layer = rec.layer_s()
     if layer is None:
         return None
-    return LinkView(layer, backlog_s, seconds(ctx.spec(m, "prefetch")), seconds(ctx.spec(m, "miss")),
-                    low_s=seconds(ctx.spec(m, "prefetch_low")))
+    return LinkView(layer, backlog_s, seconds(spec(m, "prefetch")), seconds(spec(m, "miss")),
+                    low_s=seconds(spec(m, "prefetch_low")))
 
 
 def scaling_bytes(shape: ModelShape, quant: QuantPolicy | None) -> int:
@@ -80,32 +75,8 @@ def scaling_bytes(shape: ModelShape, quant: QuantPolicy | None) -> int:
     return expert_nbytes(shape.expert_shapes(), None, dtype=torch.float16)
 
 
-class LinkContext(Protocol):
-    """What a link may ask of the driver that owns it (and nothing else of it)."""
-
-    phase: str  # "prefill" | "decode": the forward running now
-
-    def spec(self, m: int, reason: str) -> QuantSpec | None:
-        """The precision an expert of MoE layer m travels at for reason (None: full precision)."""
-
-    def landed(self, m: int, nbytes: int, spec: QuantSpec | None) -> None:
-        """Count a transfer of nbytes for layer m that landed."""
-
-    def event(self, kind: str, m: int, e: int, t0: float, t1: float) -> None:
-        """Append (kind, layer, expert, start, end) to the timeline."""
-
-    def stall(self, m: int, e: int, w0: float, w1: float) -> None:
-        """Count a wait of the compute thread for (m, e) from w0 to w1 as stall, if it was one."""
-
-    def prefetch_window_s(self) -> float | None:
-        """Seconds ahead a prefetch may still start (layer-time estimate x prefetch_window); None: unknown yet."""
-
-    def layer_s(self) -> float | None:
-        """The phase's estimate of one layer's compute time (stall excluded); None: no forward timed yet."""
-
-
 class DriverCore:
-    """Everything a driver builds from (config, shape, hardware), and the per-forward bookkeeping."""
+    """Everything a driver builds from (config, shape, hardware), and the `Recorder` it records into."""
 
     def __init__(self, config: OffloadConfig, shape: ModelShape, hardware: Hardware, *, driver: str,
                  router: RouterScores | None = None, store: str = "", link_note: str = "", miss_curves=None,
@@ -149,6 +120,7 @@ class DriverCore:
         self.stats = RunStats(layers=[{p: PhaseStats() for p in PHASES} for _ in range(M)], link=link + link_note,
                               store=store, plan=self.plan, slots_per_layer=list(self.slots_per_layer), driver=driver,
                               expert_bytes=shape.nbytes(None))
+        self.recorder = Recorder(self.stats, shape.num_layers, config.timeline, config.prefetch_window)
         # 4. host placement: a miss computes on the host when the config says so
         self.host_time = None
         self.placement: HostPlacement | None = None
@@ -162,11 +134,6 @@ class DriverCore:
         self.rules = StepRules(self.predictor, router, config.popularity_order, self.miss_policy,
                                self.quant.prefill_low_count if self.quant is not None else None,
                                depth=config.prefetch_depth)
-        # per-forward state
-        self.phase = "prefill"
-        self.window_s: dict[str, float] = {}  # per phase: EMA of one layer's compute time (no stall)
-        self.t_origin = 0.0  # timeline times are relative to this
-        self._stall_in_forward = 0.0
         self.cache: ExpertCache | None = None
 
     def _check_quantizable(self, spec: QuantSpec | None) -> None:
@@ -182,15 +149,16 @@ class DriverCore:
         """Layer m's replacement policy, of the config's kind, over `capacity` slots."""
         return policy_from_name(self.config.replacement, capacity, self.shape.num_experts)
 
-    def build_cache(self, link: Link) -> ExpertCache:
-        """The one expert cache over this driver's link, with the config's flags."""
+    def build_cache(self, mover: Mover) -> ExpertCache:
+        """The one expert cache over this driver's mover (what moves experts over its link), with the config's
+        flags."""
         c = self.config
         value = {}
         cls = ExpertCache
         if c.prefetch_value or c.host_fill:  # the opt-in value knobs: the cache that plans (value_cache.py)
             cls, value = ValueCache, {"value_prefetch": c.prefetch_value, "host_fill": c.host_fill,
                                       "low_offered": c.prefetch_low}
-        self.cache = cls(self.slots_per_layer, self.replacement, self.shape.top_k, self.prefetch_buffers, link,
+        self.cache = cls(self.slots_per_layer, self.replacement, self.shape.top_k, self.prefetch_buffers, mover,
                          self.stats.layers, cache=c.cache.keep, admit_on_use=c.admit_prefetch == "on_use",
                          link_budget=c.prefetch_budget == "link", placement=self.placement, **value)
         assert self.cache.num_slots == self.num_slots
@@ -203,7 +171,7 @@ class DriverCore:
         return [(m, e, slot) for m in range(self.shape.num_moe_layers)
                 for e, slot in self.cache.preload(m, list(range(min(self.slots_per_layer[m], self.shape.num_experts))))]
 
-    # --- LinkContext ---------------------------------------------------------------------
+    # --- the precision a transfer travels at ---------------------------------------------------------
     def spec(self, m: int, reason: str) -> QuantSpec | None:
         """The precision expert transfers of MoE layer m travel at for reason (None: full); a "prefetch_low"
         (`prefetch_low`: a late prefetch sent low) travels at the miss precision, a "fill" (`host_fill`) at the
@@ -212,53 +180,17 @@ class DriverCore:
             return None
         return self.quant.precision_for(m, {"prefetch_low": "miss", "fill": "prefetch"}.get(reason, reason))
 
-    def landed(self, m: int, nbytes: int, spec: QuantSpec | None) -> None:
-        """Count a landed transfer's bytes and precision."""
-        self.stats.layers[m][self.phase].bytes_moved += nbytes
-        self.stats.moved[self.phase, m, spec_label(spec)] += 1
-
-    def event(self, kind: str, m: int, e: int, t0: float, t1: float) -> None:
-        """Append (kind, layer, expert, start, end) to the timeline (relative to `t_origin`)."""
-        tl = self.stats.timeline
-        if self.config.timeline.on and len(tl) < self.config.timeline_max_events:
-            tl.append((kind, m, e, t0 - self.t_origin, t1 - self.t_origin))
-
-    def stall(self, m: int, e: int, w0: float, w1: float) -> None:
-        """Count a wait of the compute thread for (m, e) as stall, if it was one."""
-        if w1 - w0 > STALL_MIN_S:
-            self.stats.layers[m][self.phase].stall_s += w1 - w0
-            self._stall_in_forward += w1 - w0
-            self.event("stall", m, e, w0, w1)
-
-    def prefetch_window_s(self) -> float | None:
-        """The layer-time estimate of this phase times the config's prefetch window (None before a forward)."""
-        w = self.window_s.get(self.phase)
-        return None if w is None else w * self.config.prefetch_window
-
-    def layer_s(self) -> float | None:
-        """This phase's estimate of one layer's compute time (an EMA over forwards, stall excluded)."""
-        return self.window_s.get(self.phase)
-
     # --- per forward -----------------------------------------------------------------------
     def begin_forward(self, phase: str) -> None:
-        """A forward starts: its phase reaches the cache and the predictor (a prompt resets history)."""
-        if phase not in PHASES:
-            raise ValueError(f"phase {phase!r}; choose one of {PHASES}")
-        self.phase = phase
+        """A forward starts: its phase reaches the recorder, the cache and the predictor (a prompt resets
+        history). Its end is the recorder's (`recorder.end_forward`)."""
+        self.recorder.begin_forward(phase)
         if self.cache is not None:
             self.cache.phase = phase
         if self.predictor is not None:
             if phase == "prefill":
                 self.predictor.reset()
             self.predictor.set_phase(phase)
-        self._stall_in_forward = 0.0
-
-    def end_forward(self, dt: float) -> None:
-        """A forward of dt seconds ended: record it and update the layer-time estimate (stall excluded)."""
-        self.stats.forward_s[self.phase].append(dt)
-        layer_s = max(dt - self._stall_in_forward, 0.0) / self.shape.num_layers
-        old = self.window_s.get(self.phase)
-        self.window_s[self.phase] = layer_s if old is None else (1 - WINDOW_EMA) * old + WINDOW_EMA * layer_s
 
     def run_layer(self, call: LayerCall) -> list[int]:
         """One experts call through the layer step (`policy/step.py`); returns the compute order."""
@@ -266,10 +198,9 @@ class DriverCore:
 
     def reset_stats(self, t_origin: float = 0.0) -> None:
         """Zero every counter and the timeline (the cache contents stay); timeline times restart at t_origin."""
-        self.stats.reset()
+        self.recorder.reset(t_origin)
         if self.cache is not None:
             self.cache.stats = self.stats.layers
-        self.t_origin = t_origin
 
     def describe(self) -> dict:
         """What this core built, as plain data: two drivers of one config must describe the same build."""

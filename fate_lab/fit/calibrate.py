@@ -54,16 +54,16 @@ def _resident_figures(st, M: int, L: int, T: int, K: int) -> tuple[float, ...]:
 
 def link_overshoot(moves: list[tuple[float, float]], nbytes: int, link: LinkProfile,
                    among: list[int] | None = None) -> float:
-    """Seconds per transfer of nbytes beyond what the simulator's link (`sim.simulate.SimLink`) charges it, from the
-    (start, end) of the moves a run timed: the inverse of SimLink's own rule, averaged over `among` (default: all).
+    """Seconds per transfer of nbytes beyond what the simulator's link (`sim.simulate.SimMover`) charges it, from the
+    (start, end) of the moves a run timed: the inverse of SimMover's own rule, averaged over `among` (default: all).
 
     Depth 1: a transfer holds the link alone for latency + bytes / bandwidth + overshoot, so its overshoot is its
-    time less those. Deeper queues (the disk): SimLink overlaps the latencies of transfers in flight but passes their
+    time less those. Deeper queues (the disk): SimMover overlaps the latencies of transfers in flight but passes their
     bytes and overshoot over one wire in turn, so a transfer ends at max(start + latency, the previous transfer's
     end) + bytes / bandwidth + overshoot; each move's overshoot is read off that rule, with the previous end from
     the timed moves in the order they ended. At depth 1 each move's overshoot is its own, and the median keeps a
     stray slow one out; deeper, the mean: over a busy spell the overshoots sum to its length less one latency and
-    its bytes' time, so the mean is what makes SimLink take as long as the run took (two reads that ran side by
+    its bytes' time, so the mean is what makes SimMover take as long as the run took (two reads that ran side by
     side in the time of one give one its whole time and the other none, so no single move speaks for the rest).
     """
     pick = range(len(moves)) if among is None else among

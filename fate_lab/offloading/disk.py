@@ -6,7 +6,7 @@ What this file is:
   page-aligned buffer each reading thread allocates once. The byte ranges come from the safetensors headers
   of the files `ExpertIndex` maps each expert to (per-expert keys, or one row of a fused [E, ...] tensor);
   transformers' own conversions then run on the bytes read, as for every other read of the index.
-- `DiskLink`: the transfer engine of `link="disk"`: `queue_depth` reader threads (the link profile's) take
+- `DiskEngine`: the transfer engine of `link="disk"`: `queue_depth` reader threads (the link profile's) take
   transfers from one queue (urgent ones first), each reads its expert from the disk and copies it into its
   slot. Nothing sleeps: the time a transfer takes is the disk's.
 What it is not: no emulation (the link profile only sizes the queue and the prefetch budget), no page-cache
@@ -32,7 +32,7 @@ from fate_lab.offloading.slots import DeviceSlots, SlotWriter
 from fate_lab.offloading.store import CheckpointError, HostStore, SafetensorsStore
 from fate_lab.offloading.transfer import DEFAULT_TIMEOUT_S, Transfer, TransferEngine, TransferError
 
-__all__ = ["DiskLink", "DiskStore", "safetensors_header"]
+__all__ = ["DiskEngine", "DiskStore", "safetensors_header"]
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
@@ -121,7 +121,7 @@ class DiskStore(SafetensorsStore):
         return f"disk O_DIRECT ({self.path})"
 
 
-class DiskLink(TransferEngine):
+class DiskEngine(TransferEngine):
     """`queue_depth` reader threads; each transfer is a real disk read plus the copy into its slot."""
 
     def __init__(self, store: HostStore, slots: DeviceSlots, link: LinkProfile,

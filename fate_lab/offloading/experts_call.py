@@ -1,12 +1,14 @@
 """One offloaded experts call: the expert math of MoE layer m, from device slots, on the host, or from stand-ins.
 
-What this file is: `ExpertsCall`, built per call by the runtime. Its `compute(e, slot)` is what the layer step
-(`policy/step.py`) calls for each needed expert, in the cache's order: from a device slot (`slots.weights`,
-dequantized first when packed), on the host from the store's weights (the activations go there and back;
-on a CPU-only machine the call then holds for the host profile's time), or from the resident INT2 copy
-(HOBBIT's stand-in). Every expert computes with `model.experts.expert_apply` on its `ExpertWeights`, so
-each layout the model side serves (no gate, biases, transposed or interleaved storage, a family's own gate,
-fp32 compute) computes as transformers' eager experts forward does. `output()` sums the weighted outputs as
+What this file is: `ExpertsCall`, built per call by the runtime from `ExpertSources`, the collaborators the
+runtime hands over once (the adapter, the slots' and the store's weights, the stand-ins, the host time, the
+recorder). Its `compute(e, slot)` is what the layer step (`policy/step.py`) calls for each needed expert, in the
+cache's order: from a device slot (`slots.weights`, dequantized first when packed), on the host from the store's
+weights (the activations go there and back; on a CPU-only machine the call then holds for the host profile's
+time), or from the resident INT2 copy (HOBBIT's stand-in). Every expert computes with
+`model.experts.expert_apply` on its `ExpertWeights`, so each layout the model side serves (no gate, biases,
+transposed or interleaved storage, a family's own gate, fp32 compute) computes as transformers' eager experts
+forward does. `output()` sums the weighted outputs as
 that forward sums them -- expert by expert in id order, in the layout's accumulation dtype -- and
 renormalises what a lossy step dropped.
 What it is not: the schedule (which expert when, from which slot: the cache) or a policy.
@@ -15,9 +17,13 @@ Letters: T tokens, K experts per token (top-k), H hidden, n tokens of one expert
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from fate_lab.core.recorder import Recorder
+from fate_lab.model.adapters import MoEAdapter
 from fate_lab.model.experts import ExpertWeights, expert_apply
 from fate_lab.policy.cache import HOST
 from fate_lab.policy.lossy import LOWP
@@ -25,20 +31,34 @@ from fate_lab.policy.lossy import LOWP
 _ACCUMULATE = {"float32": torch.float32}  # layout.accumulate -> dtype ("output": the hidden's; "weights": theirs)
 
 
+@dataclass(frozen=True)
+class ExpertSources:
+    """Where an experts call finds its experts and where it reports: what it needs of the runtime, and no more."""
+
+    adapter: MoEAdapter  # each MoE layer's experts module and layout
+    slot_weights: Callable[[int], ExpertWeights]  # a device slot's weights (packed ones dequantized into scratch)
+    fetch: Callable[[int, int], ExpertWeights]  # (layer, expert) -> the host store's weights
+    standin: list | None  # [layer][expert] resident INT2 copies (HOBBIT), or None
+    dtype: torch.dtype  # the model's dtype (a stand-in dequantizes to it)
+    device: torch.device
+    host_time: Callable[[int], float] | None  # n tokens -> the host profile's time for one expert (host placement)
+    rec: Recorder  # events and host time go here
+
+
 class ExpertsCall:
     """The expert math of one call: hidden [T, H], top-k ids/weights [T, K]; see the module docstring."""
 
-    def __init__(self, rt, m: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+    def __init__(self, src: ExpertSources, m: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor):
-        self.rt, self.m, self.x = rt, m, hidden_states
-        self.module, self.layout = rt.adapter.experts_module(m), rt.adapter.layouts[m]
+        self.src, self.m, self.x = src, m, hidden_states
+        self.module, self.layout = src.adapter.experts_module(m), src.adapter.layouts[m]
         self.T, self.K = top_k_index.shape
         self.idx_host = top_k_index.detach().to("cpu")  # (T, K)
         self.flat = self.idx_host.reshape(-1).tolist()  # (T*K,) expert per (token, k) position
         E = self.layout.num_experts
         if min(self.flat) < 0 or max(self.flat) >= E:
             bad = next(e for e in self.flat if not 0 <= e < E)
-            raise NotImplementedError(f"{rt.adapter.family}: the router of MoE layer {m} passed expert id {bad} to "
+            raise NotImplementedError(f"{src.adapter.family}: the router of MoE layer {m} passed expert id {bad} to "
                                       f"its experts ({E} experts); fate_lab does not serve routers that mark "
                                       "skipped slots with out-of-range ids")
         self.idx, self.w = top_k_index, top_k_weights
@@ -75,37 +95,35 @@ class ExpertsCall:
         if slot == LOWP:
             return self._from_standin(e)
         t0 = time.perf_counter()
-        self._place(e, self.rt.slots.weights(slot))  # packed: dequantized into the scratch first
-        self.rt.core.event("compute", self.m, e, t0, time.perf_counter())
+        self._place(e, self.src.slot_weights(slot))  # packed: dequantized into the scratch first
+        self.src.rec.event("compute", self.m, e, t0, time.perf_counter())
 
     def _from_standin(self, e: int) -> None:
         """Expert e computes from its resident INT2 copy, dequantized right before use (HOBBIT's stand-in)."""
         t0 = time.perf_counter()
-        self._place(e, self.rt.standin[self.m][e].dequantize(self.rt.dtype))
-        self.rt.core.event("compute_lowp", self.m, e, t0, time.perf_counter())
+        self._place(e, self.src.standin[self.m][e].dequantize(self.src.dtype))
+        self.src.rec.event("compute_lowp", self.m, e, t0, time.perf_counter())
 
     def _on_host(self, e: int) -> None:
         """Expert e computes on the host from the store's weights; the activations go there and back. On a
         CPU-only machine the host is emulated: the expert really computes, then the call holds until the host
         profile's time for its tokens has passed."""
-        rt, m = self.rt, self.m
+        src, m = self.src, self.m
         t0 = time.perf_counter()
-        weights = rt.store.fetch(m, e)  # host tensors, canonical
+        weights = src.fetch(m, e)  # host tensors, canonical
         tok, x, w = self._rows(e)
         n = 1 if tok is None else tok.numel()
-        norm_here = not self.layout.has_post_expert_norm or rt.device.type == "cpu"
+        norm_here = not self.layout.has_post_expert_norm or src.device.type == "cpu"
         y = expert_apply(self.module, x.to("cpu", weights.gate_up.dtype), weights, post_norm=norm_here)  # (n, H)
         y = y.to(self.x.device)  # back to the device
         if not norm_here:
             y = self.module.post_expert_norm(y)  # (n, H) its weights live on the device
         self._weigh(e, tok, y, w)
-        if rt.device.type == "cpu":
-            hold = t0 + rt.core.host_time(n) - time.perf_counter()
+        if src.device.type == "cpu":
+            hold = t0 + src.host_time(n) - time.perf_counter()
             if hold > 0:
                 time.sleep(hold)
-        t1 = time.perf_counter()
-        rt.core.stats.layers[m][rt.core.phase].host_s += t1 - t0
-        rt.core.event("host", m, e, t0, t1)
+        src.rec.host(m, e, t0, time.perf_counter())
 
     def output(self, order: list[int]) -> torch.Tensor:
         """The layer's output [T, H]: the weighted outputs added expert by expert in id order (as the eager

@@ -16,11 +16,11 @@ from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.setups import is_scaled
 from fate_lab.model.adapters import MoEAdapter
 from fate_lab.model.checkpoint import ExpertIndex
-from fate_lab.offloading.disk import DiskLink, DiskStore
+from fate_lab.offloading.disk import DiskEngine, DiskStore
 from fate_lab.offloading.packed_file import DiskQuantizedStore
 from fate_lab.offloading.slots import DeviceSlots, FullSlots, PackedSlots
 from fate_lab.offloading.store import HostStore, QuantizedStore, RamStore, SafetensorsStore
-from fate_lab.offloading.transfer import CudaCopyEngine, EmulatedLink, InstantLink, TransferEngine
+from fate_lab.offloading.transfer import CudaCopyEngine, EmulatedEngine, InstantEngine, TransferEngine
 
 
 def build_store(core: DriverCore, adapter: MoEAdapter, device: torch.device, index: ExpertIndex | None = None
@@ -61,12 +61,12 @@ def build_engine(store: HostStore, slots: DeviceSlots, link: LinkProfile | None,
                  native: bool, timeout_s: float) -> TransferEngine:
     """The link engine: instant (link None), the CUDA copy stream (native on CUDA), or an emulated link."""
     if link is None:
-        return InstantLink(store, slots)
+        return InstantEngine(store, slots)
     if store.tier == "disk":  # link="disk": real reads, queue_depth reader threads
-        return DiskLink(store, slots, link, timeout_s=timeout_s)
+        return DiskEngine(store, slots, link, timeout_s=timeout_s)
     if device.type == "cuda" and native:
         return CudaCopyEngine(store, slots)
-    return EmulatedLink(store, slots, link, timeout_s=timeout_s)
+    return EmulatedEngine(store, slots, link, timeout_s=timeout_s)
 
 
 def check_setup(config, family: str, device: torch.device, experts_in_memory: bool) -> None:

@@ -3,17 +3,16 @@
 What this file is: `offload(model, config) -> Runtime` and `Runtime`, the runtime driver. It builds what
 every driver builds through the driver core (`core/driver.py`: the plan, the slots per layer, the precision
 policy, the cache, the predictor, the miss rule, the placement, the stats), adds the mechanisms that move
-real bytes (`mechanisms.py`: host store, device slots, link engine; `engine_link.py`: the cache's link over
-the engine), plugs into transformers' experts registry (`hookup.py`), and runs each experts call of MoE
-layer m as one layer step with real expert math (`experts_call.py`). It serves every experts layout the
-model side serves (`model.experts.expert_refusal` says why not, at offload time). The predictor reads the
-model's own routers on the host (`MoEAdapter.host_routers()`), fed each layer's gate input as its router
-received it. A model whose experts were never loaded (`load.load_offloaded`) comes with its checkpoint's
-`ExpertIndex`, and its experts are served from the files only.
-
-Giving the model back (`close`): on a CPU, the very tensors taken; on an accelerator, the caller's own
-Parameters refilled from the RAM store's host copy (never from a file: store="ssd" is refused for a model
-whose experts sit in accelerator memory); after `load_offloaded`, nothing (no copy ever existed).
+real bytes (`mechanisms.py`: host store, device slots, transfer engine; `engine_mover.py`: the cache's mover
+over the engine), plugs into transformers' experts registry (`hookup.py`), and runs each experts call of MoE
+layer m as one layer step with real expert math (`experts_call.py`); docs/DESIGN.md follows one call through.
+It serves every experts layout the model side serves (`model.experts.expert_refusal` says why not). The
+predictor reads the model's own routers on the host (`MoEAdapter.host_routers()`), fed each layer's gate input
+as its router received it. A model whose experts were never loaded (`load.load_offloaded`) comes with its
+checkpoint's `ExpertIndex`, and its experts are served from the files only.
+Giving the model back (`close`): on a CPU, the very tensors taken; on an accelerator, the caller's own Parameters
+refilled from the RAM store's host copy (never from a file: store="ssd" is refused for a model whose experts sit
+in accelerator memory); after `load_offloaded`, nothing (no copy ever existed).
 
 Quantized experts (`OffloadConfig.quant`, a `QuantPolicy` preset): the store keeps the packed copies the
 policy needs; each transfer travels at the precision of its reason ("miss", "prefetch", "prefill_low" for
@@ -40,8 +39,8 @@ from fate_lab.hardware.setups import is_scaled, run_hardware
 from fate_lab.model.adapters import MoEAdapter, adapt, is_offloaded
 from fate_lab.model.checkpoint import ExpertIndex
 from fate_lab.offloading import hookup
-from fate_lab.offloading.engine_link import EngineLink
-from fate_lab.offloading.experts_call import ExpertsCall
+from fate_lab.offloading.engine_mover import EngineMover
+from fate_lab.offloading.experts_call import ExpertsCall, ExpertSources
 from fate_lab.offloading.hookup import StepwiseForward  # public here too: the runtime is where users look
 from fate_lab.offloading.mechanisms import build_engine, build_slots, build_store, check_setup
 from fate_lab.offloading.slots import PackedSlots
@@ -87,10 +86,9 @@ class Runtime:
         if is_scaled(config.link.name):
             self.layer_compute_s = config.layer_compute_s or calibrate_layer_time(model, config.calibration_steps)
         native = self.device.type == "cuda" and config.native_link and config.link.name != "instant"
-        hw = run_hardware(config.link.name, self.layer_compute_s)
-        self.core = DriverCore(config, self.shape, hw, driver="runtime",
-                               router=a.host_routers(), link_note=" [native CUDA]" if native else "",
-                               miss_curves=self._calibration_curves)
+        self.core = DriverCore(config, self.shape, run_hardware(config.link.name, self.layer_compute_s),
+                               driver="runtime", router=a.host_routers(), miss_curves=self._calibration_curves,
+                               link_note=" [native CUDA]" if native else "")
         self.store = build_store(self.core, a, self.device, index)
         self.core.stats.store = self.store.describe()
         self._closed = True  # until the hook-up is complete
@@ -121,13 +119,15 @@ class Runtime:
         self.link = core.hardware.link
         self.engine = build_engine(self.store, self.slots, self.link, self.device, native,
                                    self.config.transfer_timeout_s)
-        self._link = EngineLink(core, self.engine)
-        self.cache = core.build_cache(self._link)
+        self._mover = EngineMover(core.spec, core.recorder, self.engine)
+        self.cache = core.build_cache(self._mover)
         self.standin: list[list[PackedExpert]] | None = None
         if self.config.lossy.kind == "standin":  # HOBBIT: every expert's INT2 copy moves to the device once, up front
             self.standin = [[pack_expert(self.store.fetch(m, e), STANDIN_SPEC).to(self.device)
                              for e in range(self.num_experts)] for m in range(M)]
-        core.t_origin = time.perf_counter()
+        self._sources = ExpertSources(self.adapter, self.slots.weights, self.store.fetch, self.standin, self.dtype,
+                                      self.device, core.host_time, core.recorder)
+        core.recorder.t_origin = time.perf_counter()
         self._lock = threading.Lock()  # one forward at a time; close() takes it too
         self._closing = False
         self._closed = False
@@ -211,7 +211,7 @@ class Runtime:
         try:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.core.end_forward(time.perf_counter() - self._fwd_t0)
+            self.core.recorder.end_forward(time.perf_counter() - self._fwd_t0)
         finally:
             self._owner = None
             self._lock.release()
@@ -244,12 +244,12 @@ class Runtime:
         if self._closed:
             raise RuntimeError("this Runtime is closed; offload the model again to run it offloaded")
         t_call = time.perf_counter()
-        call = ExpertsCall(self, m, hidden_states, top_k_index, top_k_weights)
+        call = ExpertsCall(self._sources, m, hidden_states, top_k_index, top_k_weights)
 
         def timed(fn):
             t0 = time.perf_counter()
             out = fn()
-            self.core.event("predict", m, -1, t0, time.perf_counter())
+            self.core.recorder.event("predict", m, -1, t0, time.perf_counter())
             return out
 
         try:
@@ -263,7 +263,7 @@ class Runtime:
                 self._owner = None
                 self._lock.release()
             raise
-        self.core.stats.layers[m][self.core.phase].compute_s += time.perf_counter() - t_call
+        self.core.stats.layers[m][self.core.recorder.phase].compute_s += time.perf_counter() - t_call
         return call.output(order)
 
     # --- public -------------------------------------------------------------------------
@@ -280,7 +280,7 @@ class Runtime:
     def watch_transfers(self, fn) -> None:
         """Call fn(transfer) with every `transfer.Transfer` queued from now on (its expert, slot, precision,
         packed size, urgency, and later its timing): a tracing and test hook."""
-        self._link.observers.append(fn)
+        self._mover.observers.append(fn)
 
     def set_fault(self, fault) -> None:
         """Fault injection (tests, chaos runs): fault(m, e) -> True fails that transfer; an exception raised in
@@ -369,7 +369,7 @@ class Runtime:
             no_experts = (f"this {self.adapter.family} model's Runtime was closed with restore=False: its experts were "
                           "not given back (their memory is freed), so the model cannot run any more; load it again")
         hookup.detach(self.adapter, self._prev_impl if restore else None, no_experts)
-        self.slots = None  # the slots go before the experts come back
+        self.slots = self._sources = None  # the slots (and the calls' handle on them) go before the experts come back
         if restore:
             self._give_back()
         else:

@@ -2,14 +2,14 @@
 
 What this file is: one interface (`submit`, `cancel`, `poll`, `wait`, `backlog_s`, `close`) and
 three back ends, plus the synchronous load and the link calibration:
-- `EmulatedLink`: a worker thread takes transfers from a queue (urgent ones first), does the
+- `EmulatedEngine`: a worker thread takes transfers from a queue (urgent ones first), does the
   real copy into the slot, then holds the link until `latency + bytes / bandwidth` has passed
   since it started. It runs concurrently with the compute thread, so overlap and stalls are
   real wall-clock effects. Used on CPU-only machines, and on a GPU to emulate a slower link.
 - `CudaCopyEngine`: a dedicated CUDA copy stream; each transfer is a pair of non-blocking
   copies from pinned host memory, ordered after the compute stream's earlier work (a slot may
   still be read by a kernel) and marked done by a CUDA event.
-- `InstantLink`: the copy happens inside `submit` and the transfer is done when it returns (the
+- `InstantEngine`: the copy happens inside `submit` and the transfer is done when it returns (the
   link `"instant"`): no timing at all, so the runtime's counts can be compared exactly with the
   replay's and the simulator's.
 All accept a fault hook `fault(m, e) -> bool` (tests): True makes that transfer fail.
@@ -118,7 +118,7 @@ class TransferEngine:
         return self._writer.nbytes(m, e, spec)
 
 
-class InstantLink(TransferEngine):
+class InstantEngine(TransferEngine):
     """The link "instant": `submit` copies at once on the calling thread and returns a finished transfer."""
 
     def __init__(self, store: HostStore, slots: DeviceSlots, fault: Callable[[int, int], bool] | None = None):
@@ -156,7 +156,7 @@ class InstantLink(TransferEngine):
         self._closed = True
 
 
-class EmulatedLink(TransferEngine):
+class EmulatedEngine(TransferEngine):
     """A worker thread that does the real copy and keeps the link busy for the profile's time."""
 
     def __init__(self, store: HostStore, slots: DeviceSlots, link: LinkProfile,
@@ -293,7 +293,7 @@ class CudaCopyEngine(TransferEngine):
 
     def __init__(self, store: HostStore, slots: DeviceSlots, fault: Callable[[int, int], bool] | None = None):
         if slots.device.type != "cuda":  # (CUDA events complete or raise; no worker thread to die)
-            raise ValueError("CudaCopyEngine needs slots on a CUDA device; use EmulatedLink on CPU")
+            raise ValueError("CudaCopyEngine needs slots on a CUDA device; use EmulatedEngine on CPU")
         self.fault = fault
         self._writer = SlotWriter(store, slots)
         self._stream = torch.cuda.Stream(slots.device)

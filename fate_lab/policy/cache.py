@@ -4,7 +4,7 @@ What this file is: `ExpertCache`, the bookkeeping of which expert of which MoE l
 which device slot, written once and driven three ways -- by the runtime (`runtime.py`, real
 transfers on an engine thread or a CUDA stream), by the replay (`replay.py`, transfers that
 land at once) and by the timed simulator (`simulate.py`, a simulated link and clock). A
-driver implements the small `Link` protocol below; the cache never touches a tensor, a
+driver implements the small `Mover` protocol below; the cache never touches a tensor, a
 thread or a clock. If two drivers disagree on the same trace, that is a bug (tests say so).
 
 Slots are plain ints. Layout (`ExpertCache.num_slots` in all):
@@ -43,27 +43,27 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from fate_lab.policy.cache_state import HOST, LayerState, Link, _Inflight, _Pool
+from fate_lab.policy.cache_state import HOST, LayerState, Mover, _Inflight, _Pool
 from fate_lab.policy.lossy import LOWP
 from fate_lab.policy.placement import HostPlacement
 from fate_lab.policy.replacement import ReplacementPolicy
 from fate_lab.policy.stats import PHASES, PhaseStats
 
-__all__ = ["HOST", "ExpertCache", "LayerState", "Link"]
+__all__ = ["HOST", "ExpertCache", "LayerState", "Mover"]
 
 
 class ExpertCache:
     """Per-layer expert slots under replacement policies, staging pools and in-flight transfers."""
 
     def __init__(self, slots_per_layer: list[int], policy: Callable[[int, int], ReplacementPolicy], top_k: int,
-                 prefetch_buffers: int, link: Link, stats: list[dict[str, PhaseStats]] | None = None,
+                 prefetch_buffers: int, mover: Mover, stats: list[dict[str, PhaseStats]] | None = None,
                  cache: bool = True, admit_on_use: bool = False, link_budget: bool = False,
                  placement: HostPlacement | None = None):
         """policy(m, capacity) builds layer m's replacement policy; stats[m][phase] receives the counters;
         placement: which non-resident experts compute on the host (None: every one is loaded)."""
         if top_k <= 0 or prefetch_buffers < 0:
             raise ValueError(f"need top_k > 0 and prefetch_buffers >= 0, got {top_k}, {prefetch_buffers}")
-        self.link, self.top_k = link, top_k
+        self.mover, self.top_k = mover, top_k
         self.cache_enabled, self.admit_on_use, self.link_budget = cache, admit_on_use, link_budget
         self.placement = placement
         self.stats = stats if stats is not None else [{p: PhaseStats() for p in PHASES} for _ in slots_per_layer]
@@ -144,7 +144,7 @@ class ExpertCache:
         layer.pending = set(order) | set(subst.values())
         for e in waiting:  # a needed prefetch still queued becomes urgent: it goes before the misses
             inf = layer.inflight[e]
-            if not inf.urgent and self.link.cancel(inf.handle):
+            if not inf.urgent and self.mover.cancel(inf.handle):
                 self._submit(m, e, inf.slot, urgent=True, reason=inf.reason)
         layer.deferred = [e for e in missing if not self._demand(m, e)]
         return order
@@ -159,7 +159,7 @@ class ExpertCache:
         layer.prediction = list(predicted)
         if self.placement is not None and self.placement.layer_on_host(n):
             return 0  # its experts live on the host: nothing to move
-        cap = self.link.capacity(n) if self.link_budget else None
+        cap = self.mover.capacity(n) if self.link_budget else None
         protect = frozenset(layer.inflight) | frozenset(predicted)  # a prediction never evicts itself
         moves: list[tuple[int, int]] = []
         for e in predicted:
@@ -204,11 +204,11 @@ class ExpertCache:
         slot = layer.staged.get(e, layer.where.get(e))
         inf = layer.inflight.get(e)
         if inf is not None:
-            ok = self.link.wait(m, e, inf.handle)
+            ok = self.mover.wait(m, e, inf.handle)
             del layer.inflight[e]  # only now: a wait left by Ctrl-C keeps it in flight for the next call
             if not ok:
                 self.stats[m][self.phase].failures += 1
-                self.link.reload(m, e, slot, inf.reason)
+                self.mover.reload(m, e, slot, inf.reason)
         if e in layer.where:
             layer.valid.add(e)
         return slot
@@ -322,7 +322,7 @@ class ExpertCache:
         layer.valid.add(e)
 
     def _submit(self, m: int, e: int, slot: int, urgent: bool, reason: str) -> None:
-        h = self.link.submit(m, e, slot, urgent, reason)
+        h = self.mover.submit(m, e, slot, urgent, reason)
         self.layers[m].inflight[e] = _Inflight(h, slot, urgent, reason)
 
     def _demand(self, m: int, e: int, blocking: bool = False) -> bool:
@@ -346,8 +346,8 @@ class ExpertCache:
                 continue
             for e in list(layer.staged):
                 inf = layer.inflight.pop(e, None)
-                if inf is not None and not self.link.cancel(inf.handle):
-                    self.link.wait(m, e, inf.handle)  # layer m waits for it
+                if inf is not None and not self.mover.cancel(inf.handle):
+                    self.mover.wait(m, e, inf.handle)  # layer m waits for it
                 self._release(layer.staged.pop(e))
                 if e in layer.prefetched:
                     layer.prefetched.discard(e)
@@ -357,7 +357,7 @@ class ExpertCache:
         """Absorb the finished transfers of layer m without waiting."""
         layer = self.layers[m]
         for e, inf in list(layer.inflight.items()):
-            ok = self.link.poll(inf.handle)
+            ok = self.mover.poll(inf.handle)
             if ok is None:
                 continue
             del layer.inflight[e]
@@ -373,9 +373,9 @@ class ExpertCache:
         `wait_in`'s call, wait for them: that wait is layer wait_in's stall)."""
         keep = []
         for slot, h in self.zombies:
-            if wait_in is not None and self.link.poll(h) is None:
-                self.link.wait(wait_in, -1, h)
-            (self._release(slot) if self.link.poll(h) is not None else keep.append((slot, h)))
+            if wait_in is not None and self.mover.poll(h) is None:
+                self.mover.wait(wait_in, -1, h)
+            (self._release(slot) if self.mover.poll(h) is not None else keep.append((slot, h)))
         self.zombies = keep
 
     def _drop_stale(self, m: int, needed: set[int]) -> None:
@@ -383,7 +383,7 @@ class ExpertCache:
         layer = self.layers[m]
         for e in [e for e in layer.inflight if e not in needed]:
             inf = layer.inflight[e]
-            if self.link.cancel(inf.handle):
+            if self.mover.cancel(inf.handle):
                 del layer.inflight[e]
                 if e in layer.staged:
                     self._release(layer.staged.pop(e))

@@ -1,6 +1,6 @@
-"""The per-layer state of the one expert cache, and the `Link` protocol the cache drives.
+"""The per-layer state of the one expert cache, and the `Mover` protocol the cache drives.
 
-What this file is: `Link` (what the cache asks of its driver: submit, cancel, poll, wait, reload,
+What this file is: `Mover` (what the cache asks of its driver: submit, cancel, poll, wait, reload,
 capacity, view), `LayerState` (which expert of one MoE layer sits in which slot, what is in flight, staged,
 pending, deferred, on the host, stood in for) and the two small records the cache keeps (`_Inflight`,
 `_Pool`), plus `HOST`, the "slot" of an expert computed on the host.
@@ -16,8 +16,10 @@ from fate_lab.policy.replacement import ReplacementPolicy
 HOST = -1  # the "slot" of an expert that computes on the host
 
 
-class Link(Protocol):
-    """What the cache asks of its driver (real engine, instant replay, or simulated link)."""
+class Mover(Protocol):
+    """What the cache asks of its driver to move experts over the link (the runtime's `EngineMover` over a transfer
+    engine, the simulator's `SimMover`, the replay's instant mover). "link" alone names the physical link (a
+    `hardware.links.LinkProfile`); a transfer engine (`offloading/transfer.py`) is what moves bytes over it."""
 
     def submit(self, m: int, e: int, slot: int, urgent: bool, reason: str) -> Any:
         """Queue expert (m, e) into slot; urgent loads go before queued prefetches. Returns a handle."""

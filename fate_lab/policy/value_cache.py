@@ -2,7 +2,7 @@
 
 What this file is: the cache the opt-in value knobs build (`OffloadConfig.prefetch_value`, `prefetch_depth`,
 `prefetch_low`, `host_fill`); with none of them on, drivers build the plain `ExpertCache` and nothing here runs.
-Driven by the same three drivers through the same `Link` protocol (plus `Link.view`, the link's timing as a
+Driven by the same three drivers through the same `Mover` protocol (plus `Mover.view`, the link's timing as a
 `value.LinkView`; None on an instant link). What it adds, per layer step:
 - prefetch by value (decode steps; prefill keeps the plain rule): every layer, the non-urgent prefetches still
   queued for the target layers are cancelled and re-planned with the fresher prediction together with the new
@@ -59,7 +59,7 @@ class ValueCache(ExpertCache):
         if self.host_fill and self.placement is not None:
             for e in needed:
                 inf = layer.inflight.get(e)
-                if inf is not None and not inf.urgent and self.link.cancel(inf.handle):
+                if inf is not None and not inf.urgent and self.mover.cancel(inf.handle):
                     del layer.inflight[e]
                     if e in layer.staged:
                         self._release(layer.staged.pop(e))
@@ -90,7 +90,7 @@ class ValueCache(ExpertCache):
                 if e in layer.inflight or e in layer.valid or e in layer.staged:
                     continue
                 cands.append(Candidate(n, e, d, self.odds.p(d, r)))
-        view = self.link.view(m + 1)
+        view = self.mover.view(m + 1)
         if view is None:  # instant link: everything arrives; nearer layer, better rank first
             plan = [(c.layer, c.expert, False) for c in cands]
         else:
@@ -133,7 +133,7 @@ class ValueCache(ExpertCache):
         """Cancel layer n's prefetches the link has not started (they are re-planned; each counts as wasted)."""
         layer = self.layers[n]
         for e, inf in list(layer.inflight.items()):
-            if inf.urgent or inf.reason == "fill" or not self.link.cancel(inf.handle):
+            if inf.urgent or inf.reason == "fill" or not self.mover.cancel(inf.handle):
                 continue  # demand loads and background fills are not prefetches to re-plan
             del layer.inflight[e]
             if e in layer.staged:
@@ -161,7 +161,7 @@ class ValueCache(ExpertCache):
     def _fill(self, m: int, experts: list[int]) -> None:
         """Load host-computed experts of layer m into its cache, most used first, within one layer of link time."""
         layer = self.layers[m]
-        view = self.link.view(m)
+        view = self.mover.view(m)
         if view is None or not (self.cache_enabled and layer.cache_slots):
             return
         clock = view.backlog_s

@@ -21,7 +21,7 @@ PolicySpec = str | Callable[[int], ReplacementPolicy]
 LayerStats = dict  # {"prefill": PhaseStats, "decode": PhaseStats} of one layer
 
 class _Landed:
-    """The instant link of a one-layer replay: every transfer has landed when `submit` returns."""
+    """The instant mover of a one-layer replay: every transfer has landed when `submit` returns."""
 
     def __init__(self, cache_phase: Callable[[], str], stats: LayerStats):
         self.phase, self.stats = cache_phase, stats

@@ -3,7 +3,7 @@
 What this file is: `simulate(trace, config, hardware, shape)` replays a recorded trace step by step as the
 runtime would run it -- one prefill step per prompt (all its tokens at once), then one step per decode
 token -- through `Simulator`, a driver built by the SAME driver core as the runtime (`core/driver.py`: plan,
-slots, cache, predictor, miss rule, placement, stats), with `SimLink`, a discrete-event model of the link:
+slots, cache, predictor, miss rule, placement, stats), with `SimMover`, a discrete-event model of the link:
 one queue, urgent loads before queued prefetches, cancellation of transfers not yet started, each transfer
 busy for `latency + bytes / bandwidth`. The compute thread's clock advances by a `ComputeProfile`
 (`hardware/compute.py`): per-layer dense compute, per-expert compute, the experts call's bookkeeping and the
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from fate_lab.core.config import OffloadConfig, refuse_plan_request
-from fate_lab.core.driver import DriverCore, LinkContext, link_capacity, link_view
+from fate_lab.core.driver import DriverCore, Precision, link_capacity, link_view
+from fate_lab.core.recorder import Recorder
 from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.links import LinkProfile
@@ -37,7 +38,7 @@ from fate_lab.policy.stats import RunStats
 from fate_lab.policy.step import LayerCall
 from fate_lab.quant import QuantSpec
 
-__all__ = ["COMPUTE_PROFILES", "ComputeProfile", "Hardware", "ModelShape", "SimLink", "Simulator", "simulate",
+__all__ = ["COMPUTE_PROFILES", "ComputeProfile", "Hardware", "ModelShape", "SimMover", "Simulator", "simulate",
            "trace_steps"]
 
 
@@ -62,14 +63,15 @@ class _SimTransfer:
     counted: bool = False
 
 
-class SimLink:
+class SimMover:
     """The link as a discrete-event model: one queue, urgent first, `queue_depth` transfers in flight. Each holds
     its queue entry for latency + bytes / bandwidth; the latencies of entries in flight overlap, their bytes take
     turns on the one wire (`LinkProfile.stream_bandwidth`'s model). Depth 1: busy latency + bytes / bandwidth."""
 
-    def __init__(self, ctx: LinkContext, clock: SimClock, link: LinkProfile | None, compute: ComputeProfile,
-                 shape: ModelShape):
-        self.ctx, self.clock, self.link, self.compute, self.shape = ctx, clock, link, compute, shape
+    def __init__(self, spec: Precision, rec: Recorder, clock: SimClock, link: LinkProfile | None,
+                 compute: ComputeProfile, shape: ModelShape):
+        self.spec, self.rec = spec, rec
+        self.clock, self.link, self.compute, self.shape = clock, link, compute, shape
         self.queue: list[_SimTransfer] = []  # not started, urgent ones first
         self.free_at = 0.0  # when the last started transfer ends
         self.entries = [0.0] * (1 if link is None else link.queue_depth)  # when each queue entry is free
@@ -92,7 +94,7 @@ class SimLink:
         x.end = max(x.start + t, self.wire_free + wire)
         self.entries[i] = self.wire_free = x.end
         self.free_at = max(self.free_at, x.end)
-        self.ctx.event("demand" if x.urgent else "prefetch", x.m, x.e, x.start, x.end)
+        self.rec.event("demand" if x.urgent else "prefetch", x.m, x.e, x.start, x.end)
 
     def _advance(self) -> None:
         """Start every queued transfer the link reaches by the compute thread's now."""
@@ -104,7 +106,7 @@ class SimLink:
             x.counted = True
             self.fresh.add((x.m, x.e))
             self.evicting += self.compute.landed_s
-            self.ctx.landed(x.m, x.nbytes, x.spec)
+            self.rec.landed(x.m, x.nbytes, x.spec)
 
     def busy(self) -> bool:
         """Is the link copying (or has queued work) at the compute thread's now?"""
@@ -115,7 +117,7 @@ class SimLink:
         """Queue a transfer at the compute thread's now (after the compute thread's own time to queue it)."""
         self.clock.now += self.compute.transfer_host_s
         self._advance()
-        spec = self.ctx.spec(m, reason)
+        spec = self.spec(m, reason)
         self.slot_spec[slot] = spec  # what the slot holds once these bytes land (compute waits for them)
         x = _SimTransfer(m, e, self.shape.nbytes(spec), urgent, reason, spec, self.clock.now)
         end = len(self.queue)
@@ -148,7 +150,7 @@ class SimLink:
         w0 = self.clock.now
         if x.end > w0:
             self.clock.now = x.end + self.compute.wake_s
-        self.ctx.stall(m, e, w0, self.clock.now)
+        self.rec.stall(m, e, w0, self.clock.now)
         self._record(x)
         return True
 
@@ -166,14 +168,14 @@ class SimLink:
         """Prefetches the link can start before layer m's call (the runtime's rule, simulated estimates)."""
         if self.link is None:
             return None
-        return link_capacity(self.ctx.prefetch_window_s(), self.backlog_s(),
-                             self._time(self.shape.nbytes(self.ctx.spec(m, "prefetch"))))
+        return link_capacity(self.rec.prefetch_window_s(), self.backlog_s(),
+                             self._time(self.shape.nbytes(self.spec(m, "prefetch"))))
 
     def view(self, m: int):
         """The value planner's view of the link for layer m (`core.driver.link_view`); None on the instant link."""
         if self.link is None:
             return None
-        return link_view(self.ctx, m, self.backlog_s(), lambda spec: self._time(self.shape.nbytes(spec)))
+        return link_view(self.rec, self.spec, m, self.backlog_s(), lambda spec: self._time(self.shape.nbytes(spec)))
 
 
 class Simulator:
@@ -188,15 +190,15 @@ class Simulator:
             raise ValueError("the simulator needs a compute profile: Hardware(compute=ComputeProfile(...), link=...), "
                              "a named setup (Hardware.setup / Hardware.scaled) or a calibrated one")
         self.clock = SimClock()
-        self.link = SimLink(self.core, self.clock, self.hw.link, self.hw.compute, shape)
-        self.cache = self.core.build_cache(self.link)
+        self.mover = SimMover(self.core.spec, self.core.recorder, self.clock, self.hw.link, self.hw.compute, shape)
+        self.cache = self.core.build_cache(self.mover)
         for m, _e, slot in self.core.preload():  # all_resident: marked resident before the first token, nothing moves
-            self.link.slot_spec[slot] = self.core.spec(m, "cache")  # at the cache's precision, as the runtime loads
+            self.mover.slot_spec[slot] = self.core.spec(m, "cache")  # at the cache's precision, as the runtime loads
 
     def _slow(self) -> float:
         """The compute profile's slow-down of a compute piece that starts now (`ComputeProfile.busy_factor`)."""
         f = self.hw.compute.busy_factor
-        return f if f != 1.0 and self.link.busy() else 1.0
+        return f if f != 1.0 and self.mover.busy() else 1.0
 
     @property
     def stats(self) -> RunStats:
@@ -214,6 +216,7 @@ class Simulator:
         phase: None infers it (T > 1: prefill); "decode" with T > 1 is a speculative verify step."""
         T = experts.shape[0]
         comp, M, core, clock = self.hw.compute, self.shape.num_moe_layers, self.core, self.clock
+        rec = core.recorder
         core.begin_forward(phase or ("prefill" if T > 1 else "decode"))
         t0 = clock.now
         for _ in range(self.shape.num_layers - M):  # dense-only decoder layers (e.g. DeepSeek's first)
@@ -229,34 +232,33 @@ class Simulator:
                 c0 = clock.now
                 if slot == LOWP:  # from the resident INT2 copy (the dequantize is not modelled: OUR simplification)
                     clock.now += comp.expert(n[e]) * self._slow()
-                    core.event("compute_lowp", m, e, c0, clock.now)
+                    rec.event("compute_lowp", m, e, c0, clock.now)
                     return
                 if slot == HOST:  # on the host CPU: its profile's time (+ the emulated hold's sleep overshoot)
                     clock.now += core.host_time(n[e]) + comp.link_extra_s
-                    core.stats.layers[m][core.phase].host_s += clock.now - c0
-                    core.event("host", m, e, c0, clock.now)
-                    self.link.evicting += comp.landed_s  # its weights streamed through the dense layers' caches
+                    rec.host(m, e, c0, clock.now)
+                    self.mover.evicting += comp.landed_s  # its weights streamed through the dense layers' caches
                     return
-                cold = comp.expert_cold_s if (m, e) in self.link.fresh else 0.0
-                if self.link.slot_spec.get(slot) is not None:  # a packed slot: dequantized first, at every use
+                cold = comp.expert_cold_s if (m, e) in self.mover.fresh else 0.0
+                if self.mover.slot_spec.get(slot) is not None:  # a packed slot: dequantized first, at every use
                     clock.now += comp.dequant_s * self._slow()
                 clock.now += comp.expert(n[e]) * self._slow() + cold
-                self.link.fresh.discard((m, e))
-                core.event("compute", m, e, c0, clock.now)
+                self.mover.fresh.discard((m, e))
+                rec.event("compute", m, e, c0, clock.now)
 
             def timed(fn, m=m):
                 p0 = clock.now
                 out = fn()
                 clock.now += comp.predict(T) * self._slow()
-                core.event("predict", m, -1, p0, clock.now)
+                rec.event("predict", m, -1, p0, clock.now)
                 return out
 
             core.run_layer(LayerCall(m, idx, compute, gate_input=None if gate_inputs is None else gate_inputs[:, m],
                                      weights=None if weights is None else weights[:, m], timed=timed))
-            core.stats.layers[m][core.phase].compute_s += clock.now - t_call
+            rec.stats.layers[m][rec.phase].compute_s += clock.now - t_call
         self._dense(T, compute=False)  # what the last layer's landings evicted: the head and the next forward
         dt = clock.now - t0
-        core.end_forward(dt)
+        rec.end_forward(dt)
         return dt
 
     def _dense(self, T: int, compute: bool = True) -> None:
@@ -264,8 +266,8 @@ class Simulator:
         copies and host computes evict its weights from the shared caches) -- at most its own time again, since
         it re-reads its weights once however much evicted them."""
         d = self.hw.compute.dense(T)
-        self.clock.now += (d if compute else 0.0) + min(self.link.evicting, d)
-        self.link.evicting = 0.0
+        self.clock.now += (d if compute else 0.0) + min(self.mover.evicting, d)
+        self.mover.evicting = 0.0
 
 
 def trace_steps(trace: Trace) -> list[tuple[int, int]]:

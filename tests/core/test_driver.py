@@ -1,10 +1,11 @@
 """The driver core by hand: what it builds from a config, and the bookkeeping every driver shares."""
 import pytest
 import torch
-from helpers import ScriptedLink
+from helpers import ScriptedMover
 
 from fate_lab.core.config import OffloadConfig
-from fate_lab.core.driver import STALL_MIN_S, WINDOW_EMA, DriverCore, link_capacity, spec_label
+from fate_lab.core.driver import DriverCore, link_capacity
+from fate_lab.core.recorder import STALL_MIN_S, WINDOW_EMA, spec_label
 from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.setups import Hardware
@@ -37,24 +38,28 @@ def test_the_per_forward_bookkeeping_by_hand():
     link = LinkProfile("l", 1e9, 0.0)
     core = DriverCore(OffloadConfig.preset("lru", slots=6, prefetch_window=2.0), SHAPE, Hardware(None, link),
                       driver="runtime")
-    core.build_cache(ScriptedLink())
-    assert core.prefetch_window_s() is None  # no forward yet: no estimate
+    core.build_cache(ScriptedMover())
+    rec = core.recorder  # what the core records into; the links and the experts call are handed it
+    assert rec.stats is core.stats and rec.prefetch_window_s() is None  # no forward yet: no estimate
     core.begin_forward("decode")
-    core.stall(0, 1, 0.0, STALL_MIN_S / 2)  # bookkeeping, not a stall
-    core.stall(0, 1, 1.0, 1.4)
-    core.end_forward(2.0)  # 2 s forward, 0.4 s of it stalled, 4 decoder layers
+    assert rec.phase == "decode"
+    rec.stall(0, 1, 0.0, STALL_MIN_S / 2)  # bookkeeping, not a stall
+    rec.stall(0, 1, 1.0, 1.4)
+    rec.end_forward(2.0)  # 2 s forward, 0.4 s of it stalled, 4 decoder layers
     assert core.stats.layers[0]["decode"].stall_s == pytest.approx(0.4)
-    assert core.window_s["decode"] == pytest.approx(1.6 / 4) and core.prefetch_window_s() == pytest.approx(0.8)
+    assert rec.window_s["decode"] == pytest.approx(1.6 / 4) and rec.prefetch_window_s() == pytest.approx(0.8)
     core.begin_forward("decode")
-    core.end_forward(4.0)
-    assert core.window_s["decode"] == pytest.approx((1 - WINDOW_EMA) * 0.4 + WINDOW_EMA * 1.0)
+    rec.end_forward(4.0)
+    assert rec.window_s["decode"] == pytest.approx((1 - WINDOW_EMA) * 0.4 + WINDOW_EMA * 1.0)
     assert core.stats.forward_s["decode"] == [2.0, 4.0] and core.cache.phase == "decode"
     assert [ev[0] for ev in core.stats.timeline] == ["stall"]
-    core.landed(1, 500, None)
+    rec.landed(1, 500, None)
     assert core.stats.layers[1]["decode"].bytes_moved == 500 and core.stats.moved["decode", 1, "fp"] == 1
+    rec.host(2, 4, 1.0, 1.25)
+    assert core.stats.layers[2]["decode"].host_s == pytest.approx(0.25) and core.stats.timeline[-1][0] == "host"
     core.reset_stats(t_origin=10.0)
     assert core.stats.forward_s["decode"] == [] and core.cache.stats is core.stats.layers
-    core.event("compute", 0, 3, 10.5, 11.0)
+    rec.event("compute", 0, 3, 10.5, 11.0)
     assert core.stats.timeline == [("compute", 0, 3, 0.5, 1.0)]
     with pytest.raises(ValueError, match="phase 'warmup'"):
         core.begin_forward("warmup")
@@ -62,7 +67,7 @@ def test_the_per_forward_bookkeeping_by_hand():
 
 def test_all_resident_preloads_every_expert_and_quant_sizes_the_slot():
     core = DriverCore(OffloadConfig.preset("all_resident"), SHAPE, Hardware(None, None), driver="replay")
-    core.build_cache(ScriptedLink())
+    core.build_cache(ScriptedMover())
     pre = core.preload()
     assert len(pre) == 3 * 8 and {(m, e) for m, e, _ in pre} == {(m, e) for m in range(3) for e in range(8)}
     q = DriverCore(OffloadConfig.preset("fate_quant", slots=6), SHAPE, Hardware(None, None), driver="replay")

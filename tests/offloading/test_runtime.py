@@ -15,7 +15,7 @@ from fate_lab.model.adapters import adapt
 from fate_lab.offloading.runtime import OffloadConfig, Runtime, offload
 from fate_lab.offloading.slots import FullSlots
 from fate_lab.offloading.store import RamStore
-from fate_lab.offloading.transfer import EmulatedLink
+from fate_lab.offloading.transfer import EmulatedEngine
 from fate_lab.policy.registry import POLICIES
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
@@ -170,7 +170,7 @@ def test_emulated_link_overlaps_with_compute_and_holds_for_link_time(tiny_models
     slots_gu, slots_d = slots.gate_up, slots.down
     nbytes = store.fetch(0, 0).nbytes()
     link = LINK_PROFILES["test_fast"].__class__("slow", bandwidth=nbytes / 0.05, latency=0.0)  # 50 ms each
-    eng = EmulatedLink(store, slots, link)
+    eng = EmulatedEngine(store, slots, link)
     try:
         t0 = time.perf_counter()
         a, b = eng.submit(0, 3, 0), eng.submit(1, 5, 1)

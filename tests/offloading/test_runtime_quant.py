@@ -13,7 +13,7 @@ from fate_lab.model.testing import tiny_model
 from fate_lab.offloading.runtime import OffloadConfig, offload
 from fate_lab.offloading.slots import FullSlots
 from fate_lab.offloading.store import QuantizedStore, RamStore
-from fate_lab.offloading.transfer import EmulatedLink
+from fate_lab.offloading.transfer import EmulatedEngine
 from fate_lab.quant import QuantPolicy, QuantSpec, quantize_model_experts
 
 NEW_TOKENS = 10
@@ -183,7 +183,7 @@ def test_packed_slot_holds_the_packed_bytes_and_dequantizes_like_the_host_copy()
     slots = PackedSlots({"gate_up": (128, 64), "down": (64, 64)}, (int4, int2), torch.float32, n_slots=2, n_scratch=1,
                         device="cpu")
     assert slots.slot_bytes == 6912 and slots.nbytes == 2 * 6912 + 49152
-    eng = EmulatedLink(store, slots, LinkProfile("fast", 1e12, 0.0))
+    eng = EmulatedEngine(store, slots, LinkProfile("fast", 1e12, 0.0))
     try:
         a, b = eng.submit(0, 3, 0, spec=int4), eng.submit(1, 5, 1, spec=int2)
         assert eng.wait(a) and eng.wait(b) and (a.nbytes, b.nbytes) == (6912, 4608)
@@ -207,7 +207,7 @@ def test_emulated_link_holds_for_the_packed_bytes_and_dequantizes_into_the_slot(
     gu, dn = slots.gate_up, slots.down  # (2, 2I, H), (2, H, I)
     fp_bytes = base.fetch(0, 0).nbytes()
     link = LinkProfile("slow", bandwidth=fp_bytes / 0.2, latency=0.0)  # 200 ms per fp32 expert
-    eng = EmulatedLink(store, slots, link)
+    eng = EmulatedEngine(store, slots, link)
     try:
         q = eng.submit(0, 3, 0, spec=int4)
         f = eng.submit(1, 5, 1)

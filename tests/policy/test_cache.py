@@ -5,7 +5,7 @@ Slot layout of ``ExpertCache([c0, c1], top_k=K, prefetch_buffers=B)``:
 Every test ends with `check_slots()`: no slot lost, none owned twice.
 """
 import pytest
-from helpers import ScriptedLink
+from helpers import ScriptedMover
 from reference_policies import LRU
 
 from fate_lab.policy.cache import ExpertCache
@@ -28,7 +28,7 @@ def _call(cache: ExpertCache, m: int, needed: list[int]) -> list[tuple[int, int]
 
 
 def test_misses_load_into_cache_slots_and_lru_evicts_the_oldest_unprotected():
-    link = ScriptedLink()
+    link = ScriptedMover()
     c = _cache(link)  # cache slots [0, 1], demand [2, 3], pools [4], [5]
     assert _call(c, 0, [1, 2]) == [(1, 0), (2, 1)]
     assert link.submitted == [(0, 1, 0, True, "miss"), (0, 2, 1, True, "miss")]
@@ -46,7 +46,7 @@ def test_misses_load_into_cache_slots_and_lru_evicts_the_oldest_unprotected():
 def test_a_used_prefetch_is_promoted_by_swapping_slot_owners():
     """admit_on_use: the prefetched expert waits in pool B's slot 4; when used it joins layer 1's cache by taking
     slot 4 over, and layer 1's old cache slot 1 goes to pool B. No byte moves for the promotion."""
-    link = ScriptedLink()
+    link = ScriptedMover()
     c = _cache(link, slots=(1, 1), top_k=1, buffers=1, admit_on_use=True)  # [0 | 1 | demand 2 | A 3 | B 4]
     c.begin(0, [5])
     assert c.prefetch(1, [7]) == 1
@@ -66,7 +66,7 @@ def test_a_used_prefetch_is_promoted_by_swapping_slot_owners():
 
 
 def test_a_late_prefetch_becomes_urgent_and_counts_as_late():
-    link = ScriptedLink()
+    link = ScriptedMover()
     c = _cache(link, slots=(1, 1), top_k=1, buffers=1, admit_on_use=True)
     c.prefetch(1, [7])  # still queued when layer 1 needs it
     assert _call(c, 1, [7]) == [(7, 4)]
@@ -78,7 +78,7 @@ def test_a_late_prefetch_becomes_urgent_and_counts_as_late():
 
 
 def test_a_stale_prefetch_already_on_the_link_keeps_its_slot_until_it_lands():
-    link = ScriptedLink()
+    link = ScriptedMover()
     c = _cache(link, slots=(1, 1), top_k=1, buffers=1, admit_on_use=True)
     c.prefetch(1, [7])
     link.start(0)  # the link began moving it: it can no longer be cancelled
@@ -93,7 +93,7 @@ def test_a_stale_prefetch_already_on_the_link_keeps_its_slot_until_it_lands():
 
 
 def test_the_link_budget_caps_how_many_prefetches_start():
-    link = ScriptedLink(capacity=1)
+    link = ScriptedMover(capacity=1)
     c = _cache(link, slots=(1, 1), top_k=1, buffers=2, admit_on_use=True, link_budget=True)
     assert c.prefetch(1, [7, 8]) == 1  # the most probable first; the link can start one in time
     assert [s[1] for s in link.submitted] == [7]
@@ -102,7 +102,7 @@ def test_the_link_budget_caps_how_many_prefetches_start():
 
 
 def test_a_failed_transfer_is_counted_and_reloaded_synchronously():
-    link = ScriptedLink()
+    link = ScriptedMover()
     link.fail.add(0)
     c = _cache(link)
     assert _call(c, 0, [3]) == [(3, 0)]
@@ -111,7 +111,7 @@ def test_a_failed_transfer_is_counted_and_reloaded_synchronously():
 
 
 def test_load_on_demand_forgets_what_it_loaded():
-    link = ScriptedLink(instant=True)
+    link = ScriptedMover(instant=True)
     c = _cache(link, cache=False)
     _call(c, 0, [1])
     _call(c, 0, [1])
@@ -121,7 +121,7 @@ def test_load_on_demand_forgets_what_it_loaded():
 
 
 def test_check_slots_names_a_lost_slot():
-    c = _cache(ScriptedLink())
+    c = _cache(ScriptedMover())
     c.demand.free.pop()
     with pytest.raises(RuntimeError, match="lost"):
         c.check_slots()

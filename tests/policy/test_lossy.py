@@ -6,7 +6,7 @@ committed step queues no load; the stand-in is the expert the similarity table n
 """
 import pytest
 import torch
-from helpers import ScriptedLink, greedy, prompt_ids
+from helpers import ScriptedMover, greedy, prompt_ids
 from reference_policies import LRU
 
 from fate_lab.core.config import OffloadConfig
@@ -50,7 +50,7 @@ def test_miss_rules_by_hand():
 def test_layer_step_computes_the_stand_in_from_its_slot():
     """One decode call of a layer with expert 5 cached: misses 3 and 4 (low weight) compute from 5's slot,
     before anything else, and no transfer is queued for them; 1 (high weight) is loaded."""
-    link = ScriptedLink(instant=True)
+    link = ScriptedMover(instant=True)
     cache = ExpertCache([2], lambda m, c: LRU(c), top_k=4, prefetch_buffers=0, link=link)
     cache.phase = "decode"
     [(e5, slot5)] = cache.preload(0, [5])

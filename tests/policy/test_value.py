@@ -5,7 +5,7 @@ part of a transfer still on the link when the next layer starts, x (1 - p) for a
 ValueCache slot layout as in test_cache.py: [layer caches | top_k demand slots | pool A (even) | pool B (odd)].
 """
 import pytest
-from helpers import ScriptedLink
+from helpers import ScriptedMover
 from reference_policies import LRU
 
 from fate_lab.policy.cache import HOST
@@ -91,7 +91,7 @@ def _call(cache, m, needed):
 
 
 def test_on_an_instant_link_every_candidate_is_queued_nearest_layer_first_and_its_outcome_is_learned():
-    link = ScriptedLink(instant=True)
+    link = ScriptedMover(instant=True)
     c = _vcache(link, (2, 2, 2))  # layers [0,1] [2,3] [4,5] | demand [6,7] | pool A [8,9] | pool B [10,11]
     c.begin(0, [1, 2])
     assert c.prefetch_ahead(0, [(1, [3, 4, 5]), (2, [6])]) == 3  # pool B holds two: 5 finds no slot
@@ -112,7 +112,7 @@ def test_on_an_instant_link_every_candidate_is_queued_nearest_layer_first_and_it
 
 def test_value_planning_sends_a_late_prefetch_low_only_when_offered():
     for offered, reason in ((True, "prefetch_low"), (False, "prefetch")):
-        link = ScriptedLink()
+        link = ScriptedMover()
         link.timing = LinkView(1.0, 0.7, 0.4, 0.4, low_s=0.2)
         c = _vcache(link, (1, 1), top_k=1, buffers=1, low_offered=offered)
         assert c.prefetch_ahead(0, [(1, [3])]) == 1
@@ -120,7 +120,7 @@ def test_value_planning_sends_a_late_prefetch_low_only_when_offered():
 
 
 def test_queued_prefetches_are_cancelled_and_replanned_each_layer_started_ones_run_on():
-    link = ScriptedLink()
+    link = ScriptedMover()
     link.timing = LinkView(1.0, 0.0, 0.4, 0.4)
     c = _vcache(link, (1, 1, 1), top_k=1, buffers=2)  # [0 | 1 | 2 | demand 3 | A 4,5 | B 6,7]
     assert c.prefetch_ahead(0, [(1, [3]), (2, [6])]) == 2  # h0: layer 1's 3, h1: layer 2's 6 (two ahead)
@@ -139,7 +139,7 @@ def test_queued_prefetches_are_cancelled_and_replanned_each_layer_started_ones_r
 
 
 def test_host_fill_loads_a_host_computed_miss_in_the_background_and_it_hits_next_time():
-    link = ScriptedLink()
+    link = ScriptedMover()
     link.timing = LinkView(1.0, 0.0, 0.4, 0.4)
     place = HostPlacement("cost", frozenset(), lambda n: 0.1, transfer_s=0.4)
     c = _vcache(link, (1,), top_k=1, buffers=0, placement=place, host_fill=True, value_prefetch=False)
@@ -153,7 +153,7 @@ def test_host_fill_loads_a_host_computed_miss_in_the_background_and_it_hits_next
 
 
 def test_with_host_fill_a_needed_prefetch_not_started_yet_becomes_a_host_call():
-    link = ScriptedLink()
+    link = ScriptedMover()
     link.timing = LinkView(1.0, 0.0, 0.4, 0.4)
     place = HostPlacement("cost", frozenset(), lambda n: 0.1, transfer_s=0.4)
     c = _vcache(link, (1, 1), top_k=1, buffers=1, placement=place, host_fill=True)
@@ -164,7 +164,7 @@ def test_with_host_fill_a_needed_prefetch_not_started_yet_becomes_a_host_call():
 
 
 def test_a_used_prefetch_evicts_only_an_expert_used_less():
-    link = ScriptedLink(instant=True)
+    link = ScriptedMover(instant=True)
     c = _vcache(link, (1, 1), top_k=1, buffers=1)  # [0 | 1 | demand 2 | A 3 | B 4]
     for _ in range(3):
         _call(c, 1, [2])  # 2 cached in layer 1, used three calls running: rate 1 + .9 + .81
@@ -175,7 +175,7 @@ def test_a_used_prefetch_evicts_only_an_expert_used_less():
 
 
 def test_a_fill_not_started_is_left_alone_by_replanning_and_refilled_after_the_host_took_it():
-    link = ScriptedLink()
+    link = ScriptedMover()
     link.timing = LinkView(1.0, 0.0, 0.4, 0.4)
     place = HostPlacement("cost", frozenset(), lambda n: 0.1, transfer_s=0.4)
     c = _vcache(link, (1, 1), top_k=1, buffers=1, placement=place, host_fill=True)  # [0 | 1 | d 2 | A 3 | B 4]

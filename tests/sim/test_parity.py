@@ -1,6 +1,6 @@
 """One cache, three drivers: the runtime and the simulator agree exactly on an instant link.
 
-The runtime really moves bytes (an `InstantLink` engine that copies inside submit); the
+The runtime really moves bytes (an `InstantEngine` engine that copies inside submit); the
 simulator replays a trace recorded by `record_trace` on the un-offloaded model. Both drive the
 same `cache.ExpertCache` and `step.run_layer`, so their per-layer counters must be identical.
 Quantized presets are left out on purpose: they change the model's routing, so a trace of the
@@ -18,7 +18,7 @@ from fate_lab.model.adapters import adapt
 from fate_lab.model.record import record_trace
 from fate_lab.offloading.runtime import offload
 from fate_lab.policy.registry import POLICIES
-from fate_lab.sim.simulate import SimClock, SimLink, Simulator, check_trace, simulate, trace_steps
+from fate_lab.sim.simulate import SimClock, SimMover, Simulator, check_trace, simulate, trace_steps
 
 KEYS = ("calls", "uses", "hits", "late", "misses", "host", "prefetch_issued", "prefetch_useful", "prefetch_wasted",
         "predicted", "predicted_used", "bytes_moved", "filled")
@@ -132,7 +132,8 @@ def test_trace_steps_group_a_prompts_prefill():
 
 
 class _Context:
-    """The driver side a SimLink sees (`core.driver.LinkContext`), recording what it is told."""
+    """The driver side a SimMover sees (the precision rule and a `core.recorder.Recorder`), recording what it is
+    told."""
 
     phase = "decode"
 
@@ -161,7 +162,8 @@ def test_sim_link_queue_by_hand():
 
     ctx, clock = _Context(), SimClock()
     shape = ModelShape(1, 1, 4, 1, 10, 25, torch.float32, 0, 0)  # one expert: 3 x 10 x 25 x 4 B = 3000 B
-    link = SimLink(ctx, clock, LinkProfile("hand", 3e6, 0.0), COMPUTE_PROFILES["qwen15_moe_rtx3090"], shape)
+    link = SimMover(ctx.spec, ctx, clock, LinkProfile("hand", 3e6, 0.0), COMPUTE_PROFILES["qwen15_moe_rtx3090"],
+                   shape)
     p1 = link.submit(0, 1, 0, False, "prefetch")  # starts at 0, ends 1 ms
     p2 = link.submit(0, 2, 1, False, "prefetch")  # queued
     clock.now = 0.0005
