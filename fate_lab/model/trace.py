@@ -33,7 +33,7 @@ FORMAT_VERSION = 1
 _OPTIONAL = ("weights", "logits", "gate_inputs", "router_weights", "router_biases")
 _REQUIRED = ("experts", "token_ids", "phase", "prompt_id", "position")
 _ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # expert ids kept at their width
-_PAIRWISE_MAX_K = 8  # duplicate check: k(k-1)/2 compares up to this k (faster than a sort), a sort beyond
+_PAIRWISE_MAX_K = 16  # duplicate check: k(k-1)/2 compares per row up to this k (compiled, one pass), a sort beyond
 
 
 def _first_true(mask: torch.Tensor) -> tuple[int, ...]:
@@ -267,18 +267,22 @@ def _positions(prompt_id: torch.Tensor) -> torch.Tensor:
     return position
 
 
-def _duplicate_rows(experts: torch.Tensor) -> torch.Tensor:
-    """(N, L) bool: rows of experts [N, L, k] naming one expert twice (pairwise compares or a sort)."""
+def _duplicate_scan(experts: torch.Tensor) -> tuple[int, int, int]:
+    """(rows of experts [N, L, k] naming one expert twice, the first one's token, its layer); (0, -1, -1) if
+    none. Up to k = 16, one compiled pass of pairwise compares in registers (a routing array is read once, not
+    copied: the public replay's check of a bare array); beyond, a sort."""
     k = experts.shape[-1]
     if k > _PAIRWISE_MAX_K:
         s = torch.sort(experts, dim=-1).values  # (N, L, k)
-        return (s[..., 1:] == s[..., :-1]).any(dim=-1)
-    cols = experts.permute(2, 0, 1).contiguous()  # (k, N, L): each compare below reads contiguous memory
-    dup = torch.zeros(experts.shape[:2], dtype=torch.bool, device=experts.device)  # (N, L)
-    for i in range(k):
-        for j in range(i + 1, k):
-            dup |= cols[i] == cols[j]
-    return dup
+        dup = (s[..., 1:] == s[..., :-1]).any(dim=-1)  # (N, L)
+        if not bool(dup.any()):
+            return 0, -1, -1
+        n, l = _first_true(dup)
+        return int(dup.sum()), n, l
+    from fate_lab.model.routing_scan import duplicate_rows
+
+    count, n, l = duplicate_rows(experts.detach().cpu().contiguous().numpy())
+    return int(count), int(n), int(l)
 
 
 def from_routing_array(routing, num_experts: int | None = None, phase=None, prompt_id=None,
@@ -345,12 +349,11 @@ def from_routing_array(routing, num_experts: int | None = None, phase=None, prom
                 raise ValueError(f"expert ids must lie in [0, num_experts={num_experts}); got {int(experts[n, l, j])} "
                                  f"at token {n}, layer {l} (row {experts[n, l].tolist()})")
     if N and k > 1:
-        dup = _duplicate_rows(experts)  # (N, L)
-        if bool(dup.any()):
-            n, l = _first_true(dup)
+        count, n, l = _duplicate_scan(experts)
+        if count:
             raise ValueError(f"routing repeats an expert id within one (token, layer) row: token {n}, layer {l} "
                              f"routes to {experts[n, l].tolist()}; each row must name k={k} distinct experts "
-                             f"({int(dup.sum())} such rows in all)")
+                             f"({count} such rows in all)")
 
     phase = _phase_vector(phase, N)
     if lengths is not None and prompt_id is not None:

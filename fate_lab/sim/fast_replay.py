@@ -125,9 +125,11 @@ def replay_jobs_fast(uses, phases=None, *, policy: str = "lru", layers: Sequence
     if num_experts is not None:
         E = max(E, int(num_experts))
     E = max(E, 1)
-    u3 = np.ascontiguousarray(ex.transpose(1, 0, 2), np.int32)  # (L, N, k)
-    if predictions is None:
-        poff, pids, has_pred = np.zeros((L, N + 1), np.int64), np.zeros(1, np.int32), False
+    # read in place as [N, L, k] int32 (each layer's column strided: one compiled signature); another width or a
+    # strided array is converted once, without the [L, N, k] transpose
+    u = ex if ex.dtype == np.int32 and ex.flags.c_contiguous else np.ascontiguousarray(ex, np.int32)
+    if predictions is None:  # never read without predictions (has_pred gates every offset)
+        poff, pids, has_pred = np.zeros((L, 1), np.int64), np.zeros(1, np.int32), False
     else:
         if predictions.offsets.shape != (L, N + 1):
             raise ValueError(f"predictions cover {predictions.offsets.shape[0]} layers x "
@@ -138,7 +140,7 @@ def replay_jobs_fast(uses, phases=None, *, policy: str = "lru", layers: Sequence
     per_cap = {int(c): rec.params(int(c), kw, heap_above) for c in np.unique(caps)}
     prm = np.array([per_cap[int(c)][0] for c in caps], np.float64).reshape(len(caps), -1)
     iprm = np.array([per_cap[int(c)][1] for c in caps], np.int64).reshape(len(caps), -1)
-    nxt = driver.next_uses(u3) if rec.reads_future else np.zeros((L, 1, 1), np.int32)
+    nxt = driver.next_uses(u) if rec.reads_future else np.zeros((L, 1, 1), np.int32)
     pr = np.zeros((L, 0, 0), np.float64)
     if rec.needs_scores:
         if probs is None:
@@ -150,7 +152,7 @@ def replay_jobs_fast(uses, phases=None, *, policy: str = "lru", layers: Sequence
         E = max(E, pr.shape[2])
     out = np.zeros((len(caps), driver.N_COUNTS), np.int64)
     with _threads(n_jobs):
-        driver.run_jobs(u3, _phases(phases, N), poff, pids, has_pred, CODES[rec.name], prm, iprm, layers, caps, E,
+        driver.run_jobs(u, _phases(phases, N), poff, pids, has_pred, CODES[rec.name], prm, iprm, layers, caps, E,
                         int(buffer), admit == "on_use", nxt, pr, out)
     return [_counts(row) for row in out]
 

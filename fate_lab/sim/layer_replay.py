@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 from torch import Tensor
 
 from fate_lab.policy.cache import ExpertCache
@@ -129,11 +130,12 @@ def run_layers(ex, uses, preds, phases, policy, kw, pairs, buffer, top_k, admit,
                              "compute: replay it with replay(trace, ...) on a Trace recorded with its gate inputs")
     if fast and fast_supported(policy, kw):
         return fast_layers(ex, preds, phases, policy, kw, pairs, buffer, admit, n_jobs)
+    phases = [int(p) for p in phases]  # the uncompiled cache reads plain ints
     return _parallel(n_jobs, [(uses[l], None if preds is None else preds[l], phases, policy, s, kw, buffer, top_k,
                                admit) for l, s in pairs])
 
 
-def fast_layers(ex: Tensor, preds, phases: list[int], policy: str, kw: dict, pairs, buffer: int, admit: str,
+def fast_layers(ex: Tensor, preds, phases, policy: str, kw: dict, pairs, buffer: int, admit: str,
                 n_jobs: int, probs=None, num_experts: int | None = None) -> list[LayerStats]:
     """The compiled replay's counts of every (layer, slots) pair, as the uncompiled replay's LayerStats (probs
     [N, L, E]: the router's probabilities, for a policy that reads them)."""
@@ -142,7 +144,7 @@ def fast_layers(ex: Tensor, preds, phases: list[int], policy: str, kw: dict, pai
     res = replay_jobs_fast(ex.cpu().numpy(), phases, policy=policy, layers=[l for l, _ in pairs],
                            capacities=[s for _, s in pairs], policy_kw=kw, predictions=sets, buffer=buffer,
                            admit=admit, n_jobs=n_jobs, probs=probs, num_experts=num_experts)
-    n_pre = sum(1 for p in phases if p == 0)
+    n_pre = int((np.asarray(phases) == 0).sum())  # phases [N]: 0 prefill, 1 decode
     return [_layer_stats(r, n_pre, len(phases) - n_pre) for r in res]
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import operator
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -96,9 +97,10 @@ def _prepare(experts, predictions: Predictions | None, phase):
         if len(predictions) != N:
             raise ValueError(f"predictions has {len(predictions)} tokens, the trace {N}")
         preds = [[predictions[t][l] for t in range(N)] for l in range(L)]
-    phases = [1] * N if phase is None else [int(p) for p in torch.as_tensor(phase).tolist()]
-    if len(phases) != N or any(p not in (0, 1) for p in phases):
+    phases = np.ones(N, np.int8) if phase is None else torch.as_tensor(phase).reshape(-1).numpy()  # (N,)
+    if len(phases) != N or not np.isin(phases, (0, 1)).all():
         raise ValueError(f"phase must hold one 0 (prefill) or 1 (decode) per token ({N} tokens)")
+    phases = phases.astype(np.int8, copy=False)
     return uses, preds, phases, L, k, trace, ex
 
 
@@ -223,7 +225,7 @@ def replay(experts, config: OffloadConfig | None = None, *, shape: ModelShape | 
                             config.admit_prefetch, n_jobs, stacked, E)
     else:
         probs = [None if p is None else p.tolist() for p in probs]
-        stats = [replay_layer(uses[l], None if preds is None else preds[l], phases, pols[l], buffer, k,
+        stats = [replay_layer(uses[l], None if preds is None else preds[l], phases.tolist(), pols[l], buffer, k,
                                config.admit_prefetch, probs[l]) for l in range(L)]
     return _summ(stats, core.slots_per_layer, shape, None if config.slots_per_layer else core.plan, unit, unit)
 

@@ -1,4 +1,5 @@
 """Trace recorder: teacher forcing, agreement with the model's own routing, format round trip."""
+import numpy as np
 import pytest
 import torch
 
@@ -185,10 +186,21 @@ def test_from_routing_array_refuses_duplicate_experts_in_a_row():
     arr[2, 1, 3] = arr[2, 1, 1]  # the first offending (token, layer)
     with pytest.raises(ValueError, match=r"repeats an expert id.*token 2, layer 1.*2 such rows"):
         from_routing_array(arr, num_experts=8)
-    wide = _distinct_routing(4, 2, 12, 16)  # k above the pairwise limit: the sort path
-    wide[1, 1, 11] = wide[1, 1, 0]
+    wide = _distinct_routing(4, 2, 20, 32)  # k above the pairwise limit: the sort path
+    wide[1, 1, 19] = wide[1, 1, 0]
     with pytest.raises(ValueError, match=r"repeats an expert id.*token 1, layer 1"):
-        from_routing_array(wide, num_experts=16)
+        from_routing_array(wide, num_experts=32)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8])
+def test_the_compiled_duplicate_scan_equals_a_set_per_row(dtype):
+    from fate_lab.model.routing_scan import duplicate_rows
+
+    rng = np.random.default_rng(0)
+    for k in (2, 6, 16):
+        a = rng.integers(0, 40, size=(50, 3, k)).astype(dtype)  # many rows repeat an id, some do not
+        bad = [(n, l) for n in range(50) for l in range(3) if len(set(a[n, l].tolist())) < k]  # the reference
+        assert duplicate_rows(a) == ((len(bad), *bad[0]) if bad else (0, -1, -1))
 
 
 def test_from_routing_array_phase_names_and_values():

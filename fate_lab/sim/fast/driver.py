@@ -180,19 +180,20 @@ def replay_loop(uses, phases, poff, pids, has_pred, code, cap, E, buffer, on_use
 @njit(cache=True, parallel=True)
 def run_jobs(uses, phases, poff, pids, has_pred, code, prm, iprm, layers, caps, E, buffer, on_use, nextuse, probs,
              out):
-    """Replay job j = (layer layers[j], capacity caps[j]) for every j, in parallel; counts into out [J, 12]."""
+    """Replay job j = (layer layers[j], capacity caps[j]) for every j, in parallel; counts into out [J, 12]. uses
+    [N, L, k] as the caller holds it: each job reads its layer's column in place (no [L, N, k] copy)."""
     for j in prange(layers.shape[0]):
         l = layers[j]
-        run_layer(uses[l], phases, poff[l], pids, has_pred, code, prm[j], iprm[j], caps[j], E, buffer, on_use,
+        run_layer(uses[:, l], phases, poff[l], pids, has_pred, code, prm[j], iprm[j], caps[j], E, buffer, on_use,
                   nextuse[l], probs[l], out[j])
 
 
 @njit(cache=True, parallel=True)
 def next_uses(uses):
-    """next[l, t, j]: the next token after t whose layer l uses uses[l, t, j] (N if none): the runtime's
-    `compiled.next_uses` of each layer, the layers in parallel."""
-    L, N, k = uses.shape
+    """next[l, t, j]: the next token after t whose layer l uses uses[t, l, j] (N if none; uses [N, L, k]): the
+    runtime's `compiled.next_uses` of each layer, the layers in parallel."""
+    N, L, k = uses.shape
     out = np.empty((L, N, k), np.int32)
     for l in prange(L):
-        out[l] = layer_next_uses(uses[l])
+        out[l] = layer_next_uses(uses[:, l])
     return out
