@@ -2,10 +2,10 @@
 
 What this file is: `ExpertsCall`, built per call by the runtime from `ExpertSources`, the collaborators the
 runtime hands over once (the adapter, the slots' and the store's weights, the stand-ins, the host time, the
-recorder). Its `compute(e, slot)` is what the layer step (`policy/step.py`) calls for each needed expert, in the
-cache's order: from a device slot (`slots.weights`, dequantized first when packed), on the host from the store's
-weights (the activations go there and back; on a CPU-only machine the call then holds for the host profile's
-time), or from the resident INT2 copy (HOBBIT's stand-in). Every expert computes with
+recorder). It is the runtime's `policy.step.ComputeTarget`: the layer step's `dispatch` sends each needed expert, in
+the cache's order, to `on_device` (from a device slot, `slots.weights`, dequantized first when packed), `on_host`
+(from the store's weights; the activations go there and back; on a CPU-only machine the call then holds for the
+host profile's time) or `from_standin` (the resident INT2 copy, HOBBIT's stand-in). Every expert computes with
 `model.experts.expert_apply` on its `ExpertWeights`, so each layout the model side serves (no gate, biases,
 transposed or interleaved storage, a family's own gate, fp32 compute) computes as transformers' eager experts
 forward does. `output()` sums the weighted outputs as
@@ -25,8 +25,6 @@ import torch
 from fate_lab.core.recorder import Recorder
 from fate_lab.model.adapters import MoEAdapter
 from fate_lab.model.experts import ExpertWeights, expert_apply
-from fate_lab.policy.cache import HOST
-from fate_lab.policy.lossy import LOWP
 
 _ACCUMULATE = {"float32": torch.float32}  # layout.accumulate -> dtype ("output": the hidden's; "weights": theirs)
 
@@ -88,23 +86,19 @@ class ExpertsCall:
         tok, x, w = self._rows(e)
         self._weigh(e, tok, expert_apply(self.module, x, weights), w)  # (n, H)
 
-    def compute(self, e: int, slot: int) -> None:
-        """Expert e computes from `slot` (a device slot, `HOST` or `LOWP`)."""
-        if slot == HOST:
-            return self._on_host(e)
-        if slot == LOWP:
-            return self._from_standin(e)
+    def on_device(self, e: int, slot: int) -> None:
+        """Expert e computes from device slot `slot`."""
         t0 = time.perf_counter()
         self._place(e, self.src.slot_weights(slot))  # packed: dequantized into the scratch first
         self.src.rec.event("compute", self.m, e, t0, time.perf_counter())
 
-    def _from_standin(self, e: int) -> None:
+    def from_standin(self, e: int) -> None:
         """Expert e computes from its resident INT2 copy, dequantized right before use (HOBBIT's stand-in)."""
         t0 = time.perf_counter()
         self._place(e, self.src.standin[self.m][e].dequantize(self.src.dtype))
         self.src.rec.event("compute_lowp", self.m, e, t0, time.perf_counter())
 
-    def _on_host(self, e: int) -> None:
+    def on_host(self, e: int) -> None:
         """Expert e computes on the host from the store's weights; the activations go there and back. On a
         CPU-only machine the host is emulated: the expert really computes, then the call holds until the host
         profile's time for its tokens has passed."""

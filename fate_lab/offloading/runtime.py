@@ -254,7 +254,7 @@ class Runtime:
 
         try:
             order = self.core.run_layer(LayerCall(
-                m, call.idx_host, call.compute, gate_input=self._gate_inputs.pop(m, hidden_states), timed=timed,
+                m, call.idx_host, call, gate_input=self._gate_inputs.pop(m, hidden_states), timed=timed,
                 weights=top_k_weights.detach().to("cpu") if self.core.miss_policy is not None else None))
         except (TransferError, CheckpointError):  # the link or the checkpoint is gone: give the caller its model
             try:  # back, then fail loudly (this forward holds the lock; its post-forward hook is gone with close)

@@ -11,20 +11,22 @@ layer m:
      many as the link can start in time when the config says so; by value in the value cache);
   3. layer m's experts compute one after another from their slots, waiting where a transfer
      is still on the link.
-What differs between drivers is only `LayerCall.compute(e, slot)` (real expert math, or simulated time;
-slot is `cache.HOST` for an expert computed on the host) and `LayerCall.timed` (how the host-side
-prediction's time is accounted). What it is not: it keeps no state, moves no bytes, and knows no clock.
+What differs between drivers is only `LayerCall.target` (how an expert computes: real expert math, or simulated
+time), to which `dispatch` -- the one compute dispatch of every driver -- sends each expert by the slot the cache
+gave it (a device slot, `cache.HOST` for the host, `lossy.LOWP` for the resident INT2 stand-in), and
+`LayerCall.timed` (how the host-side prediction's time is accounted).
+What it is not: it keeps no state, moves no bytes, and knows no clock.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from torch import Tensor
 
-from fate_lab.policy.cache import ExpertCache
-from fate_lab.policy.lossy import MissPolicy
+from fate_lab.policy.cache import HOST, ExpertCache
+from fate_lab.policy.lossy import LOWP, MissPolicy
 from fate_lab.policy.predictors import Predictor
 from fate_lab.policy.rules import RouterScores
 
@@ -41,13 +43,37 @@ class StepRules:
     depth: int = 1  # 2: decode steps also predict layer m+2 from layer m's gate input (the value cache plans it)
 
 
+class ComputeTarget(Protocol):
+    """How a driver computes expert e of the call, in each of the three places the cache can hand it."""
+
+    def on_device(self, e: int, slot: int) -> None:
+        """From device slot `slot`."""
+
+    def on_host(self, e: int) -> None:
+        """On the host, from the store's weights."""
+
+    def from_standin(self, e: int) -> None:
+        """From its resident low-precision copy (a lossy stand-in)."""
+
+
+def dispatch(target: ComputeTarget, e: int, slot: int) -> None:
+    """Expert e computes where the cache put it: `cache.HOST` on the host, `lossy.LOWP` from its stand-in, else its
+    device slot (the one dispatch the runtime and the simulator share)."""
+    if slot == HOST:
+        target.on_host(e)
+    elif slot == LOWP:
+        target.from_standin(e)
+    else:
+        target.on_device(e, slot)
+
+
 @dataclass
 class LayerCall:
     """One experts call of MoE layer m, as a driver hands it to `run_layer`."""
 
     m: int
     routing: Tensor  # (T, K) expert ids, on the host
-    compute: Callable[[int, int], None]  # compute(e, slot): real expert math, or simulated time
+    target: ComputeTarget  # how an expert computes (real expert math, or simulated time); `dispatch` picks where
     gate_input: Tensor | None = None  # (T, H) layer m's gate input (None: a routing-only trace)
     weights: Tensor | None = None  # (T, K) top-k gate weights on the host (lossy rules only)
     timed: Callable[[Callable[[], Any]], Any] | None = None  # runs the host-side prediction, accounts its time
@@ -124,7 +150,7 @@ def run_layer(cache: ExpertCache, rules: StepRules, call: LayerCall) -> list[int
         predictor.observe(m, idx)
     for e in order:
         slot = cache.acquire(m, e)
-        call.compute(e, slot)
+        dispatch(call.target, e, slot)
         cache.done(m, e)
     cache.end(m)
     return order

@@ -30,8 +30,6 @@ from fate_lab.hardware.links import LinkProfile
 from fate_lab.hardware.profiles import COMPUTE_PROFILES
 from fate_lab.hardware.setups import Hardware
 from fate_lab.model.trace import PREFILL, Trace, router_scores
-from fate_lab.policy.cache import HOST
-from fate_lab.policy.lossy import LOWP
 from fate_lab.policy.registry import POLICIES
 from fate_lab.policy.rules import RouterScores
 from fate_lab.policy.stats import RunStats
@@ -178,6 +176,37 @@ class SimMover:
         return link_view(self.rec, self.spec, m, self.backlog_s(), lambda spec: self._time(self.shape.nbytes(spec)))
 
 
+class _SimCompute:
+    """The simulator's `policy.step.ComputeTarget` for one call of MoE layer m (n: tokens per expert): each
+    expert's compute time on the clock, where the layer step's dispatch sends it."""
+
+    def __init__(self, sim: "Simulator", m: int, n: Counter):
+        self.sim, self.m, self.n = sim, m, n
+
+    def on_device(self, e: int, slot: int) -> None:
+        sim, comp, clock = self.sim, self.sim.hw.compute, self.sim.clock
+        c0 = clock.now
+        cold = comp.expert_cold_s if (self.m, e) in sim.mover.fresh else 0.0
+        if sim.mover.slot_spec.get(slot) is not None:  # a packed slot: dequantized first, at every use
+            clock.now += comp.dequant_s * sim._slow()
+        clock.now += comp.expert(self.n[e]) * sim._slow() + cold
+        sim.mover.fresh.discard((self.m, e))
+        sim.core.recorder.event("compute", self.m, e, c0, clock.now)
+
+    def on_host(self, e: int) -> None:  # the host CPU: its profile's time (+ the emulated hold's sleep overshoot)
+        sim, comp, clock = self.sim, self.sim.hw.compute, self.sim.clock
+        c0 = clock.now
+        clock.now += sim.core.host_time(self.n[e]) + comp.link_extra_s
+        sim.core.recorder.host(self.m, e, c0, clock.now)
+        sim.mover.evicting += comp.landed_s  # its weights streamed through the dense layers' caches
+
+    def from_standin(self, e: int) -> None:  # the INT2 copy (the dequantize is not modelled: OUR simplification)
+        sim, clock = self.sim, self.sim.clock
+        c0 = clock.now
+        clock.now += sim.hw.compute.expert(self.n[e]) * sim._slow()
+        sim.core.recorder.event("compute_lowp", self.m, e, c0, clock.now)
+
+
 class Simulator:
     """The simulated driver: the driver core, a simulated clock and link, and the compute profile's times."""
 
@@ -228,24 +257,6 @@ class Simulator:
             idx = experts[:, m]  # (T, K)
             counts = Counter(idx.reshape(-1).tolist())
 
-            def compute(e: int, slot: int, n=counts, m=m) -> None:
-                c0 = clock.now
-                if slot == LOWP:  # from the resident INT2 copy (the dequantize is not modelled: OUR simplification)
-                    clock.now += comp.expert(n[e]) * self._slow()
-                    rec.event("compute_lowp", m, e, c0, clock.now)
-                    return
-                if slot == HOST:  # on the host CPU: its profile's time (+ the emulated hold's sleep overshoot)
-                    clock.now += core.host_time(n[e]) + comp.link_extra_s
-                    rec.host(m, e, c0, clock.now)
-                    self.mover.evicting += comp.landed_s  # its weights streamed through the dense layers' caches
-                    return
-                cold = comp.expert_cold_s if (m, e) in self.mover.fresh else 0.0
-                if self.mover.slot_spec.get(slot) is not None:  # a packed slot: dequantized first, at every use
-                    clock.now += comp.dequant_s * self._slow()
-                clock.now += comp.expert(n[e]) * self._slow() + cold
-                self.mover.fresh.discard((m, e))
-                rec.event("compute", m, e, c0, clock.now)
-
             def timed(fn, m=m):
                 p0 = clock.now
                 out = fn()
@@ -253,7 +264,8 @@ class Simulator:
                 rec.event("predict", m, -1, p0, clock.now)
                 return out
 
-            core.run_layer(LayerCall(m, idx, compute, gate_input=None if gate_inputs is None else gate_inputs[:, m],
+            core.run_layer(LayerCall(m, idx, _SimCompute(self, m, counts),
+                                     gate_input=None if gate_inputs is None else gate_inputs[:, m],
                                      weights=None if weights is None else weights[:, m], timed=timed))
             rec.stats.layers[m][rec.phase].compute_s += clock.now - t_call
         self._dense(T, compute=False)  # what the last layer's landings evicted: the head and the next forward

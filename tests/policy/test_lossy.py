@@ -47,16 +47,43 @@ def test_miss_rules_by_hand():
         MissPolicy("drop", 1.5)
 
 
+class _Calls:
+    """A compute target that notes (expert, where) for each expert the layer step dispatches."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def on_device(self, e, slot):
+        self.calls.append((e, slot))
+
+    def on_host(self, e):
+        self.calls.append((e, "host"))
+
+    def from_standin(self, e):
+        self.calls.append((e, "standin"))
+
+
+def test_one_dispatch_sends_each_expert_where_the_cache_put_it():
+    from fate_lab.policy.cache import HOST
+    from fate_lab.policy.lossy import LOWP
+    from fate_lab.policy.step import dispatch
+
+    calls = []
+    for e, slot in ((1, 7), (2, HOST), (3, LOWP), (4, 0)):
+        dispatch(_Calls(calls), e, slot)
+    assert calls == [(1, 7), (2, "host"), (3, "standin"), (4, 0)]
+
+
 def test_layer_step_computes_the_stand_in_from_its_slot():
     """One decode call of a layer with expert 5 cached: misses 3 and 4 (low weight) compute from 5's slot,
     before anything else, and no transfer is queued for them; 1 (high weight) is loaded."""
     link = ScriptedMover(instant=True)
-    cache = ExpertCache([2], lambda m, c: LRU(c), top_k=4, prefetch_buffers=0, link=link)
+    cache = ExpertCache([2], lambda m, c: LRU(c), top_k=4, prefetch_buffers=0, mover=link)
     cache.phase = "decode"
     [(e5, slot5)] = cache.preload(0, [5])
     calls = []
     rules = StepRules(None, None, miss_policy=MissPolicy("substitute", 0.2, _table(1, 6, 5)))
-    order = run_layer(cache, rules, LayerCall(0, torch.tensor([[1, 5, 3, 4]]), lambda e, slot: calls.append((e, slot)),
+    order = run_layer(cache, rules, LayerCall(0, torch.tensor([[1, 5, 3, 4]]), _Calls(calls),
                                               weights=torch.tensor([[0.5, 0.3, 0.15, 0.05]])))
     assert calls[:2] == [(3, slot5), (4, slot5)]
     assert order == [3, 4, 5, 1]
