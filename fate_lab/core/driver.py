@@ -92,7 +92,8 @@ class DriverCore:
         M, E, K = shape.num_moe_layers, shape.num_experts, shape.top_k
         es = shape.expert_shapes()
         # 1. precision policy and slot sizing
-        self.quant: QuantPolicy | None = QuantPolicy.preset(config.quant) if config.quant is not None else None
+        quant = config.precision.quant
+        self.quant: QuantPolicy | None = QuantPolicy.preset(quant) if quant is not None else None
         self.hardware = hardware.for_model(scaling_bytes(shape, self.quant))  # a scaled setup: the one rule
         hardware = self.hardware
         if self.quant is not None:  # refuse a group size the experts' shapes cannot take, naming them
@@ -120,18 +121,19 @@ class DriverCore:
         self.stats = RunStats(layers=[{p: PhaseStats() for p in PHASES} for _ in range(M)], link=link + link_note,
                               store=store, plan=self.plan, slots_per_layer=list(self.slots_per_layer), driver=driver,
                               expert_bytes=shape.nbytes(None))
-        self.recorder = Recorder(self.stats, shape.num_layers, config.timeline, config.prefetch_window)
+        self.recorder = Recorder(self.stats, shape.num_layers, config.timeline, config.prefetch.window)
         # 4. host placement: a miss computes on the host when the config says so
         self.host_time = None
         self.placement: HostPlacement | None = None
-        if config.host is not None:
-            self.host_time = hardware.host_time(config.host_profile, shape.nbytes(None), shape.expert_flops())
-            self.placement = HostPlacement(config.host, host_layer_set(config.host, config.host_layers, M),
+        place = config.placement
+        if place.host is not None:
+            self.host_time = hardware.host_time(place.profile, shape.nbytes(None), shape.expert_flops())
+            self.placement = HostPlacement(place.host, host_layer_set(place.host, place.layers, M),
                                            self.host_time, hardware.transfer_s(shape.nbytes(None)))
         # 5. the policies and the layer step's rules
         self.miss_policy = build_miss_policy(config, shape)
         self.predictor = predictor if predictor is not None else build_predictor(config, shape)
-        self.rules = StepRules(self.predictor, router, config.popularity_order, self.miss_policy,
+        self.rules = StepRules(self.predictor, router, config.cache.popularity_order, self.miss_policy,
                                self.quant.prefill_low_count if self.quant is not None else None,
                                depth=config.prefetch_depth)
         self.cache: ExpertCache | None = None
@@ -140,14 +142,14 @@ class DriverCore:
         try:
             expert_nbytes(self.shape.expert_shapes(), spec, dtype=self.shape.dtype)
         except ValueError as exc:
-            raise ValueError(f"quant={self.config.quant!r} cannot quantize this model's experts: {exc}. Choose a "
-                             f"policy whose group size divides hidden {self.shape.hidden} and expert width "
+            raise ValueError(f"quant={self.config.precision.quant!r} cannot quantize this model's experts: {exc}. "
+                             f"Choose a policy whose group size divides hidden {self.shape.hidden} and expert width "
                              f"{self.shape.intermediate}") from exc
 
     # --- 6. the one cache, over the driver's link ----------------------------------------
     def replacement(self, m: int, capacity: int) -> ReplacementPolicy:
         """Layer m's replacement policy, of the config's kind, over `capacity` slots."""
-        return policy_from_name(self.config.replacement, capacity, self.shape.num_experts)
+        return policy_from_name(self.config.cache.replacement, capacity, self.shape.num_experts)
 
     def build_cache(self, mover: Mover) -> ExpertCache:
         """The one expert cache over this driver's mover (what moves experts over its link), with the config's
@@ -155,18 +157,18 @@ class DriverCore:
         c = self.config
         value = {}
         cls = ExpertCache
-        if c.prefetch_value or c.host_fill:  # the opt-in value knobs: the cache that plans (value_cache.py)
-            cls, value = ValueCache, {"value_prefetch": c.prefetch_value, "host_fill": c.host_fill,
+        if c.prefetch_value or c.placement.fill:  # the opt-in value knobs: the cache that plans (value_cache.py)
+            cls, value = ValueCache, {"value_prefetch": c.prefetch_value, "host_fill": c.placement.fill,
                                       "low_offered": c.prefetch_low}
         self.cache = cls(self.slots_per_layer, self.replacement, self.shape.top_k, self.prefetch_buffers, mover,
-                         self.stats.layers, cache=c.cache.keep, admit_on_use=c.admit_prefetch == "on_use",
-                         link_budget=c.prefetch_budget == "link", placement=self.placement, **value)
+                         self.stats.layers, cache=c.cache.keep, admit_on_use=c.prefetch.admit == "on_use",
+                         link_budget=c.prefetch.budget == "link", placement=self.placement, **value)
         assert self.cache.num_slots == self.num_slots
         return self.cache
 
     def preload(self) -> list[tuple[int, int, int]]:
         """all_resident: mark every expert cached before the first token; (layer, expert, slot) to load."""
-        if not self.config.all_resident:
+        if not self.config.cache.all_resident:
             return []
         return [(m, e, slot) for m in range(self.shape.num_moe_layers)
                 for e, slot in self.cache.preload(m, list(range(min(self.slots_per_layer[m], self.shape.num_experts))))]
@@ -214,4 +216,5 @@ class DriverCore:
                                                                       self.miss_policy.threshold),
                 "placement": None if self.placement is None else (self.placement.mode, self.placement.host_layers,
                                                                   self.placement.transfer_s),
-                "host_time": self.host_time, "link": self.link_description, "replacement": self.config.replacement}
+                "host_time": self.host_time, "link": self.link_description,
+                "replacement": self.config.cache.replacement}

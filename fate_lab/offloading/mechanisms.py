@@ -81,11 +81,11 @@ def check_setup(config, family: str, device: torch.device, experts_in_memory: bo
                          "by then. Use store='ram' (a host copy of the caller's experts), or open the checkpoint "
                          "with fate_lab.load_offloaded(path, config), whose experts live only in the file")
     if not experts_in_memory:
-        if is_scaled(config.link.name) and config.layer_compute_s is None:
+        if is_scaled(config.link.name) and config.link.layer_compute_s is None:
             raise ValueError(f"link={config.link.name!r} is scaled to this machine's layer time, which cannot be "
                              "measured on a model whose experts were never loaded (load_offloaded): give "
                              "OffloadConfig(layer_compute_s=...) or an unscaled link")
-        if config.allocation == "miss_curve" and config.miss_curves is None:
+        if config.cache.allocation == "miss_curve" and config.cache.miss_curves is None:
             raise ValueError("allocation='miss_curve' calibrates on a run of the plain model, which a model whose "
                              "experts were never loaded (load_offloaded) cannot do: give OffloadConfig("
                              "miss_curves=...) or another allocation")

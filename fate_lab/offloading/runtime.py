@@ -17,9 +17,8 @@ in accelerator memory); after `load_offloaded`, nothing (no copy ever existed).
 Quantized experts (`OffloadConfig.quant`, a `QuantPolicy` preset): the store keeps the packed copies the
 policy needs; each transfer travels at the precision of its reason ("miss", "prefetch", "prefill_low" for
 the least popular share of a prefill step's prefetches, "cache" for the all-resident preload); the device
-slots are packed (dequantized into one full-precision scratch right before an expert computes; the plan
-counts it). Departure from Fate: an INT2 on-demand load that gets a cache slot stays cached at INT2 until
-evicted (the paper does not say).
+slots are packed (dequantized into one full-precision scratch right before an expert computes; the plan counts
+it). Where the paper is silent: an INT2 on-demand load that gets a cache slot stays cached at INT2 until evicted.
 What it is not: no policy lives here, and no slot bookkeeping (that is `policy/cache.py`).
 Letters: T tokens, K experts per token (top-k), H hidden, I expert intermediate, E experts.
 """
@@ -84,8 +83,9 @@ class Runtime:
         # the scaled link's calibration needs the experts still in place
         self.layer_compute_s = None
         if is_scaled(config.link.name):
-            self.layer_compute_s = config.layer_compute_s or calibrate_layer_time(model, config.calibration_steps)
-        native = self.device.type == "cuda" and config.native_link and config.link.name != "instant"
+            link = config.link
+            self.layer_compute_s = link.layer_compute_s or calibrate_layer_time(model, link.calibration_steps)
+        native = self.device.type == "cuda" and config.link.native and config.link.name != "instant"
         self.core = DriverCore(config, self.shape, run_hardware(config.link.name, self.layer_compute_s),
                                driver="runtime", router=a.host_routers(), miss_curves=self._calibration_curves,
                                link_note=" [native CUDA]" if native else "")
@@ -118,7 +118,7 @@ class Runtime:
         self.slots = build_slots(core, self.dtype, self.device)
         self.link = core.hardware.link
         self.engine = build_engine(self.store, self.slots, self.link, self.device, native,
-                                   self.config.transfer_timeout_s)
+                                   self.config.link.transfer_timeout_s)
         self._mover = EngineMover(core.spec, core.recorder, self.engine)
         self.cache = core.build_cache(self._mover)
         self.standin: list[list[PackedExpert]] | None = None
@@ -332,7 +332,7 @@ class Runtime:
                 "budget_bytes": self.plan.budget_bytes, "min_budget_bytes": self.plan.min_budget_bytes,
                 "cache_total": self.plan.cache_total, "slots_per_layer": list(self.slots_per_layer),
                 "staging_slots": self.n_staging, "layer_compute_s": self.layer_compute_s,
-                "quant": self.config.quant, "slot_expert_bytes": self.slot_expert_bytes,
+                "quant": self.config.precision.quant, "slot_expert_bytes": self.slot_expert_bytes,
                 "device_slot_bytes": sum(t.numel() * t.element_size() for t in self.device_tensors()),
                 "standin_bytes": self.standin_bytes}
 

@@ -119,41 +119,42 @@ def plan_offload(config, *, num_layers: int, num_experts: int, top_k: int, slot_
     allocation="miss_curve" when the config has none."""
     from fate_lab.policy.allocation import allocation_from_name
 
-    prefetching = config.predictor is not None
-    buffers = config.prefetch_buffer_experts
+    cache = config.cache  # the part this plan reads (and the prefetch part's pools)
+    prefetching = config.prefetch.predictor is not None
+    buffers = config.prefetch.buffer_experts
     buffers = (top_k if prefetching else 0) if buffers is None else buffers
-    if config.budget is not None and config.slots is not None:
+    if cache.budget is not None and cache.slots is not None:
         raise ValueError("give the budget either in bytes (budget=) or in expert slots (slots=), not both")
     pools = 2 * buffers  # two prefetch pools (even / odd layers)
     fixed = getattr(config, "slots_per_layer", None)
-    if fixed is not None and not config.all_resident:
+    if fixed is not None and not cache.all_resident:
         if len(fixed) != num_layers or any(not 0 <= c <= num_experts for c in fixed):
             raise ValueError(f"slots_per_layer={tuple(fixed)} must hold {num_layers} counts in [0, {num_experts}] "
                              f"(one per MoE layer)")
-        plan = plan_from_slots(sum(fixed), dense_bytes, kv_bytes_per_token, config.context_len, slot_expert_bytes,
+        plan = plan_from_slots(sum(fixed), dense_bytes, kv_bytes_per_token, cache.context_len, slot_expert_bytes,
                                num_layers, top_k, pools, scratch_bytes=scratch_bytes)
         from fate_lab.policy.placement import host_layer_set
 
         on_host = host_layer_set(getattr(config, "host", None), getattr(config, "host_layers", 0), num_layers)
-        return plan, [c if config.cache.keep and m not in on_host else 0 for m, c in enumerate(fixed)], buffers
-    if config.budget is not None and not config.all_resident:
-        plan = plan_memory(config.budget, dense_bytes, kv_bytes_per_token, config.context_len, slot_expert_bytes,
+        return plan, [c if cache.keep and m not in on_host else 0 for m, c in enumerate(fixed)], buffers
+    if cache.budget is not None and not cache.all_resident:
+        plan = plan_memory(cache.budget, dense_bytes, kv_bytes_per_token, cache.context_len, slot_expert_bytes,
                            num_layers, top_k, pools, num_experts=num_experts, scratch_bytes=scratch_bytes)
     else:
         slots = num_layers * num_experts
-        if config.slots is not None and not config.all_resident:
-            slots = min(config.slots, slots)
-        plan = plan_from_slots(slots, dense_bytes, kv_bytes_per_token, config.context_len, slot_expert_bytes,
+        if cache.slots is not None and not cache.all_resident:
+            slots = min(cache.slots, slots)
+        plan = plan_from_slots(slots, dense_bytes, kv_bytes_per_token, cache.context_len, slot_expert_bytes,
                                num_layers, top_k, pools, scratch_bytes=scratch_bytes)
     params: dict = {}
-    if config.allocation == "shallow":
-        params = {"shallow_layers": config.shallow_layers if config.shallow_layers is not None
+    if cache.allocation == "shallow":
+        params = {"shallow_layers": cache.shallow_layers if cache.shallow_layers is not None
                   else max(1, round(num_layers / 8))}
-    elif config.allocation == "miss_curve":
-        if config.miss_curves is None and miss_curves is None:
+    elif cache.allocation == "miss_curve":
+        if cache.miss_curves is None and miss_curves is None:
             raise ValueError("allocation='miss_curve' needs miss curves: set OffloadConfig.miss_curves")
-        params = {"curves": config.miss_curves if config.miss_curves is not None else miss_curves()}
-    cache_total = plan.cache_total if config.cache.keep else 0
+        params = {"curves": cache.miss_curves if cache.miss_curves is not None else miss_curves()}
+    cache_total = plan.cache_total if cache.keep else 0
     from fate_lab.policy.placement import host_layer_set
 
     on_host = host_layer_set(getattr(config, "host", None), getattr(config, "host_layers", 0), num_layers)
@@ -162,7 +163,7 @@ def plan_offload(config, *, num_layers: int, num_experts: int, top_k: int, slot_
         params["curves"] = [params["curves"][m] for m in device]
     if "shallow_layers" in params:
         params["shallow_layers"] = min(params["shallow_layers"], max(1, len(device)))
-    per_device = allocation_from_name(config.allocation, **params).allocate(cache_total, len(device), num_experts) \
+    per_device = allocation_from_name(cache.allocation, **params).allocate(cache_total, len(device), num_experts) \
         if device else []
     slots_per_layer = [0] * num_layers
     for m, c in zip(device, per_device, strict=False):

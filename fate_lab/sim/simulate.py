@@ -299,8 +299,8 @@ def trace_steps(trace: Trace) -> list[tuple[int, int]]:
 
 def needs_router(config: OffloadConfig) -> bool:
     """True when a config reads the router's scores (cross-layer or learned gate, commit, router_ema)."""
-    return config.predictor in ("cross_layer_gate", "learned_gate") or config.lossy.kind == "commit" or \
-        POLICIES[config.replacement.lower()].needs_scores
+    return config.prefetch.predictor in ("cross_layer_gate", "learned_gate") or config.lossy.kind == "commit" or \
+        POLICIES[config.cache.replacement.lower()].needs_scores
 
 
 def check_trace(trace: Trace, config: OffloadConfig, shape: ModelShape, router=None) -> RouterScores | None:
