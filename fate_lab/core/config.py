@@ -1,7 +1,8 @@
-"""Configuration of the offloaded runtime: `OffloadConfig` (frozen) and its presets by name.
+"""Configuration of the offloaded runtime: `OffloadConfig` (frozen, composed of parts) and its presets by name.
 
-What this file is: every knob of `offload(model, config)` with a comment on why it exists, and
-the named baselines the notebooks and benchmarks compare (`OffloadConfig.preset(name)`).
+What this file is: `OffloadConfig`, built from the parts of `config_parts.py` (where every knob is, with a comment
+on why it exists) or from flat keywords, the rules between parts, and the named baselines the notebooks and
+benchmarks compare (`OffloadConfig.preset(name)`), each a composition of shared parts.
 What it is not: a driver; the runtime, the timed simulator and the replay all build what they run
 from these objects through one driver core (`fate_lab/core/driver.py`).
 """
@@ -27,8 +28,8 @@ from fate_lab.core.config_parts import (  # noqa: F401
 )
 
 _UNSET = object()  # a part not given (None is a value: lossy=None)
-_SHORT = {"cache": "cache", "link": "link", "store": "store", "lossy": "lossy", "timeline": "timeline"}  # a part
-# given as its main value (cache=False, link="disk", store="ssd", lossy="drop", timeline=False): its flat keyword
+_SHORT = ("cache", "link", "store", "lossy", "timeline")  # parts also given as their main value, under their own name
+# as a flat keyword (cache=False, link="disk", store="ssd", lossy="drop", timeline=False)
 
 
 @dataclass(frozen=True, init=False)
@@ -68,7 +69,7 @@ class OffloadConfig:
             if len(objects) == len(PARTS) - 1:  # dataclasses.replace(config, link=...) passes every other part
                 raise TypeError(f"setting the {p!r} part from {v!r} would reset its other fields: use "
                                 f"config.replace({p}={v!r}) instead of dataclasses.replace")
-            flat[_SHORT[p]] = v
+            flat[p] = v
         parts = {p: given[p] if p in objects else PARTS[p]() for p in PARTS}
         for p, fields in _by_part(flat, parts["prefetch"]).items():
             parts[p] = dataclasses.replace(parts[p], **fields)
@@ -90,7 +91,7 @@ class OffloadConfig:
                 if isinstance(v, PARTS[p]) or p not in _SHORT:
                     kw[p] = v  # a wrong type is refused by the constructor
                 else:
-                    kw[p] = dataclasses.replace(kw[p], **{FLAT[_SHORT[p]][1]: v})
+                    kw[p] = dataclasses.replace(kw[p], **{FLAT[p][1]: v})
         return OffloadConfig(changes.pop("name", self.name), auto=changes.pop("auto", self.auto), **kw, **changes)
 
     @staticmethod
@@ -131,16 +132,13 @@ def _by_part(flat: dict, prefetch: PrefetchConfig) -> dict[str, dict]:
         if value is None:
             if asked != ValuePrefetch():
                 k = next(f for f in sub if getattr(asked, f) != getattr(ValuePrefetch(), f))
-                raise ValueError(f"OffloadConfig.{FLAT_NAME[k]}={sub[k]!r} is a knob of the value prefetch "
-                                 f"(prefetch.value.{k}): set prefetch_value=True")
+                raise ValueError(f"OffloadConfig.{_flat_of('prefetch.value', k)}={sub[k]!r} is a knob of the value "
+                                 f"prefetch (prefetch.value.{k}): set prefetch_value=True")
         else:
             value = dataclasses.replace(value, **sub)
     if value is not prefetch.value:
         out.setdefault("prefetch", {})["value"] = value
     return out
-
-
-FLAT_NAME = {"depth": "prefetch_depth", "low": "prefetch_low"}
 
 
 def _unknown(k: str) -> str:
