@@ -313,6 +313,7 @@ def _trace_with_meta(tmp: Path, meta: str) -> Path:
 def policy_probes(tmp: Path):
     """Every replacement policy by name (each must replay and simulate a recorded trace), bad names, and the
     planned presets. Cases whose fix lies outside the model side carry the lead's triage tag."""
+    import fate_lab
     from fate_lab import OffloadConfig
     from fate_lab.hardware.compute import ComputeProfile
     from fate_lab.hardware.links import LinkProfile
@@ -337,10 +338,12 @@ def policy_probes(tmp: Path):
     yield "config: replacement=None", "replacement", lambda: OffloadConfig.preset("lru", replacement=None)
     yield "config: auto='yes'", "auto", lambda: OffloadConfig.preset("auto", auto="yes")
     yield "config: auto_quant quant='int5'", "quant", lambda: OffloadConfig.preset("auto_quant", quant="int5")
-    yield "simulate: auto without a compute profile", "compute", lambda: simulate(
+    yield "simulate: auto without a compute profile", "compute", lambda: fate_lab.simulate(
         trace, OffloadConfig.preset("auto", slots=6), Hardware(None, hw.link), shape)
-    yield "simulate: auto on a shape of no model folder", "calibration", lambda: simulate(
+    yield "simulate: auto on a shape of no model folder", "calibration", lambda: fate_lab.simulate(
         trace, OffloadConfig.preset("auto", slots=6), hw, shape)
+    yield "sim.simulate (below the planner): auto is refused naming the call that plans", "fate_lab.simulate", \
+        lambda: simulate(trace, OffloadConfig.preset("auto", slots=6), hw, shape)
     model = tiny_model("olmoe", seed=0)
     for slots in (0, 8, 10**6):
         yield f"offload: auto with slots={slots} plans and generates", None, lambda n=slots: _auto_generates(model, n)
