@@ -33,6 +33,17 @@ def next_uses(uses):
     return out
 
 
+@njit(cache=True)
+def next_uses_layers(uses):
+    """next[l, t, j]: the next token after t whose layer l uses uses[t, l, j] (N if none; uses [N, L, k]): the
+    `next_uses` of each layer (the fast replay's future)."""
+    N, L, k = uses.shape
+    out = np.empty((L, N, k), np.int32)
+    for l in range(L):
+        out[l] = next_uses(uses[:, l])
+    return out
+
+
 def future_array(future: Sequence[Iterable[int]]) -> np.ndarray:
     """future[t] (the ids token t uses) as an int64 array [N, k]; a short row is padded with its own first id."""
     rows = [[int(e) for e in es] for es in future]

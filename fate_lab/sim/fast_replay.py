@@ -6,8 +6,9 @@ parallel; `replay.sweep` uses it) and `miss_curve_fast` (misses at every capacit
 `replay.miss_curves` uses it). `fast_supported` says when a policy spec is covered: a policy *name* of
 `registry.POLICIES` with keywords the policy knows (a policy that reads the router's probabilities needs them as
 ``probs``). Not covered (the uncompiled replay runs them): policy factories (Python callables). The compiled
-functions are cached on disk (numba ``cache=True``): the first call on a machine compiles them (about a minute on
-a 2-core machine), later processes load them.
+functions are cached on disk (numba ``cache=True``): the first replay of a policy on a machine compiles its loop
+(2-11 s on a 2-core machine), later processes load it. ``n_jobs`` threads replay disjoint (layer, capacity) jobs at
+once (the compiled loop releases the GIL).
 
 Semantics: exactly the pure per-layer replay of `replay.py`, the one `cache.ExpertCache` driven with an instant
 link (the parity tests in tests/sim/test_fast_replay.py require identical counts on random traces and on
@@ -18,6 +19,8 @@ runs the very functions the runtime calls).
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -99,9 +102,9 @@ def replay_jobs_fast(uses, phases=None, *, policy: str = "lru", layers: Sequence
     a heap above this many slots, else in an array scanned on eviction (faster for small caches); the
     victims are the same (the tests run both).
     """
+    from fate_lab.policy.compiled import next_uses_layers
     from fate_lab.policy.registry import policy_record
-    from fate_lab.sim.fast import driver
-    from fate_lab.sim.fast.dispatch import CODES
+    from fate_lab.sim.fast.dispatch import loop_for
 
     rec = policy_record(policy) if isinstance(policy, str) else None
     if rec is None or not fast_supported(policy, policy_kw):
@@ -140,7 +143,7 @@ def replay_jobs_fast(uses, phases=None, *, policy: str = "lru", layers: Sequence
     per_cap = {int(c): rec.params(int(c), kw, heap_above) for c in np.unique(caps)}
     prm = np.array([per_cap[int(c)][0] for c in caps], np.float64).reshape(len(caps), -1)
     iprm = np.array([per_cap[int(c)][1] for c in caps], np.int64).reshape(len(caps), -1)
-    nxt = driver.next_uses(u) if rec.reads_future else np.zeros((L, 1, 1), np.int32)
+    nxt = next_uses_layers(u) if rec.reads_future else np.zeros((L, 1, 1), np.int32)
     pr = np.zeros((L, 0, 0), np.float64)
     if rec.needs_scores:
         if probs is None:
@@ -150,10 +153,15 @@ def replay_jobs_fast(uses, phases=None, *, policy: str = "lru", layers: Sequence
         if pr.shape[:2] != (L, N):
             raise ValueError(f"probs must be [N, L, E] = [{N}, {L}, E], got {np.asarray(probs).shape}")
         E = max(E, pr.shape[2])
-    out = np.zeros((len(caps), driver.N_COUNTS), np.int64)
-    with _threads(n_jobs):
-        driver.run_jobs(u, _phases(phases, N), poff, pids, has_pred, CODES[rec.name], prm, iprm, layers, caps, E,
-                        int(buffer), admit == "on_use", nxt, pr, out)
+    loop = loop_for(rec.name)
+    out = np.zeros((len(caps), loop.N_COUNTS), np.int64)
+    ph = _phases(phases, N)
+
+    def run(jobs: np.ndarray) -> None:
+        loop.run_jobs(u, ph, poff, pids, has_pred, prm, iprm, layers, caps, E, int(buffer), admit == "on_use", nxt,
+                      pr, out, jobs)
+
+    _on_threads(run, len(caps), n_jobs)
     return [_counts(row) for row in out]
 
 
@@ -193,19 +201,15 @@ def miss_curve_fast(uses, num_experts: int, *, policy: str = "lru", policy_kw: d
     return [[r["uses"] - r["hits"] for r in res[l * E1:(l + 1) * E1]] for l in range(L)]
 
 
-class _threads:
-    """Run numba's parallel loops on n threads (-1: all) inside the block."""
-
-    def __init__(self, n: int):
-        import numba
-
-        self.numba = numba
-        top = numba.config.NUMBA_NUM_THREADS
-        self.n = top if n in (-1, None) else max(1, min(int(n), top))
-
-    def __enter__(self):
-        self.old = self.numba.get_num_threads()
-        self.numba.set_num_threads(self.n)
-
-    def __exit__(self, *exc):
-        self.numba.set_num_threads(self.old)
+def _on_threads(run, n: int, n_jobs: int) -> None:
+    """run(jobs) over the job indices 0..n-1, split round-robin over n_jobs threads (-1: one per core); the compiled
+    loop releases the GIL, so the threads replay at once."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    t = cores if n_jobs in (-1, None) else max(1, int(n_jobs))
+    t = max(1, min(t, cores, n))
+    if t == 1:
+        run(np.arange(n, dtype=np.int64))
+        return
+    with ThreadPoolExecutor(t) as pool:
+        for f in [pool.submit(run, np.arange(i, n, t, dtype=np.int64)) for i in range(t)]:
+            f.result()

@@ -2,14 +2,14 @@
 
 Each file fills one `record.Policy` (name, compiled functions, keywords, what it reads) and `policy/registry.py`
 lists it in one line. The runtime and the simulator call the functions from Python (`policy/compiled.py`); the fast
-replay inlines them into its compiled token loop (`sim/fast/driver.py`, through `sim/fast/dispatch.py`). Shared
+replay calls them from its token loop, compiled once per policy (`sim/fast/driver.py`, `sim/fast/dispatch.py`). Shared
 pieces (linked lists, a heap, the key-ordered resident set, SplitMix64) are in `blocks.py`; `record.py` says the form.
 
 Numba's on-disk cache (``cache=True``) keys each compiled function on its own file only, so an edit to `blocks.py`
 would leave a stale policy function (which inlines it) in ``__pycache__``, and an edit to a policy file a stale
-replay loop. On import, this package compares a digest of those sources with the one stored beside the cache and
-clears the cached kernels of all of them when they differ (an installed package gets fresh files, and so a fresh
-cache, on every upgrade anyway).
+replay loop (a compiled caller keeps a copy of what it calls). On import, this package compares a digest of those
+sources with the one stored beside the cache and clears the cached kernels of all of them when they differ (an
+installed package gets fresh files, and so a fresh cache, on every upgrade anyway).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _clear_stale_cache() -> None:
     if stamp.is_file() and stamp.read_text() == digest:
         return
     try:
-        for d in (*_SOURCES, _SOURCES[-1] / "__pycache__"):  # the last: the replay's generated calls (dispatch.py)
+        for d in (*_SOURCES, _SOURCES[-1] / "__pycache__"):  # the last: the per-policy loops (dispatch.py)
             cache = d / "__pycache__"
             cache.mkdir(exist_ok=True)
             for f in [*cache.glob("*.nbi"), *cache.glob("*.nbc")]:

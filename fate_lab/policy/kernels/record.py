@@ -5,9 +5,9 @@ decorator of a policy's compiled functions; the state a policy keeps (`State`), 
 that does not observe the router or read the future gets. What it is not: a policy, or the registry.
 
 A policy is a few plain functions over arrays, compiled by numba and run unchanged by the runtime and the simulator
-(one call each, from Python, through `compiled.CompiledPolicy`) and by the fast replay (inlined into its compiled
-token loop, `fate_lab/sim/fast/driver.py`). Every function takes the state first, ``I, F, S, G, R`` (see `State`),
-and ``E``, the id bound: ids are ``0..E-1`` and ``E..E+7`` are free for list sentinels.
+(one call each, from Python, through `compiled.CompiledPolicy`) and by the fast replay (called from its token loop
+compiled for the policy, `fate_lab/sim/fast/driver.py`). Every function takes the state first, ``I, F, S, G, R``
+(see `State`), and ``E``, the id bound: ids are ``0..E-1`` and ``E..E+7`` are free for list sentinels.
 
     init(I, F, S, G, R, E, cap, prm, iprm, uses)   the empty cache of `cap` slots (``uses``: the future, [N, k],
                                                    for a policy that reads it; else a [0, 1] array)
@@ -38,9 +38,9 @@ G_LEN = 8 + 4096  # G[0:8] scalars, then a table (LRFU's powers of its decay)
 
 
 def kernel(fn):
-    """A policy's compiled function: cached on disk, allocation-free (no reference counting), inlined into the
-    fast replay's loop."""
-    return njit(cache=True, _nrt=False, inline="always")(fn)
+    """A policy's compiled function: cached on disk, allocation-free (no reference counting), called by the fast
+    replay's loop compiled for its policy (not inlined there: see `sim/fast/driver.py`)."""
+    return njit(cache=True, _nrt=False)(fn)
 
 
 @kernel

@@ -1,5 +1,5 @@
-"""The compiled fast replay (numba): the policy calls by number (`dispatch.py`) and the token loop (`driver.py`).
+"""The compiled fast replay (numba): the token loop (`driver.py`) and its copy per policy (`dispatch.py`).
 
-Its cached compiled code inlines the policy files, so `fate_lab/policy/kernels/__init__.py` (imported first, through
-the registry) clears this package's numba cache too when any of those sources changed.
+Its cached compiled code holds copies of the policy functions it calls, so `fate_lab/policy/kernels/__init__.py`
+(imported first, through the registry) clears this package's numba cache too when any of those sources changed.
 """

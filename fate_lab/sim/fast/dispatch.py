@@ -1,60 +1,62 @@
-"""The replay's policy calls by number: ``policy_admit(code, ...)`` runs the admit of the policy numbered `code`.
+"""The replay's loop per policy: `loop_for(name)` is `driver.py` compiled for the policy of that name.
 
-What this file is: the five compiled calls the replay's loop makes (`policy_init`, `policy_admit`,
-`policy_access`, `policy_observe`, `policy_tick`), each a flat chain of ``if code == i`` over every policy of
-`registry.POLICIES` in its order, each branch the policy's own function inlined -- what one would write by hand.
-The chain is written out from the registry as Python source into a file beside numba's cache (named by a digest of
-the registry's order, so a changed registry gets a fresh file and fresh compiled code), then imported: a policy added
-to the registry is in the replay with nothing written here. (A source file, not `exec` or numba's `overload`:
-numba caches only functions that live in a file, and an inlined overload compiled 6x slower here.)
-What it is not: a policy, or the registry.
+What this file is: `loop_for`, which writes out the text of `driver.py` with its one ``POLICY = POLICIES["lru"]``
+line naming another registered policy, into a file beside numba's cache (named by the policy and a digest of the
+text, so a changed loop or policy gets a fresh file and fresh compiled code), imports it, and keeps the module. A
+policy added to the registry is in the replay with nothing written here. (A file, not ``exec``, a closure or a
+function passed as an argument: numba caches only functions that live in a file, and its cache keys a closure or a
+function argument by its address, so those would compile again in every process.)
+What it is not: the loop (`driver.py`), a policy, or the registry.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import os
+import re
 import sys
+import threading
 from pathlib import Path
+from types import ModuleType
 
 from fate_lab.policy.registry import POLICIES
+from fate_lab.sim.fast import driver
 
-RECORDS = tuple(POLICIES.values())
-CODES = {p.name: i for i, p in enumerate(RECORDS)}
-CALLS = {  # operation: (its arguments after the code, what it returns for an unknown code)
-    "init": ("I, F, S, G, R, E, cap, prm, iprm, uses", "None"),
-    "admit": ("I, F, S, G, R, E, e, prot", "-1"),
-    "access": ("I, F, S, G, R, E, e", "None"),
-    "observe": ("I, F, S, G, R, E, probs, n", "None"),
-    "tick": ("I, F, S, G, R, E, t, uses, nextuse", "None"),
-}
+_LINE = 'POLICY = POLICIES["lru"]'  # the line of driver.py that names its policy
+_loaded: dict[str, ModuleType] = {}
+_lock = threading.Lock()
 
 
-def source() -> str:
-    """The Python source of the five calls, written out from the registry."""
-    out = ['"""Written by fate_lab/sim/fast/dispatch.py from the policy registry; not to be edited."""',
-           "from numba import njit", "", "from fate_lab.policy.registry import POLICIES", "",
-           "RECORDS = tuple(POLICIES.values())"]
-    names = ", ".join(p.name for p in RECORDS)
-    out.append(f"assert [p.name for p in RECORDS] == {names.split(', ')!r}")
-    for i in range(len(RECORDS)):
-        out += [f"{op}{i} = RECORDS[{i}].{op}" for op in CALLS]
-    for op, (args, unknown) in CALLS.items():
-        out += ["", "", "@njit(cache=True, _nrt=False)", f"def policy_{op}(code, {args}):"]
-        for i in range(len(RECORDS)):
-            out += [f"    if code == {i}:", f"        return {op}{i}({args})"]
-        out.append(f"    return {unknown}")
-    return "\n".join(out) + "\n"
+def source(name: str) -> str:
+    """The text of driver.py with its policy line naming `name` (a registered policy)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown replacement policy {name!r}; choose one of {sorted(POLICIES)}")
+    text = Path(driver.__file__).read_text()
+    if text.count(_LINE) != 1:
+        raise RuntimeError(f"{driver.__file__} must hold the line {_LINE!r} exactly once")
+    return text.replace(_LINE, f"POLICY = POLICIES[{name!r}]")
 
 
-def _load():
-    text = source()
-    name = "policy_calls_" + hashlib.sha256(text.encode()).hexdigest()[:16]
-    homes = [Path(__file__).parent / "__pycache__",
+def loop_for(name: str) -> ModuleType:
+    """The module of the replay loop compiled for the policy `name` (driver.py itself for LRU)."""
+    if name == "lru":
+        return driver
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _load(name, source(name))
+        return _loaded[name]
+
+
+def _load(name: str, text: str) -> ModuleType:
+    mod = f"replay_{name}_" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    homes = [Path(driver.__file__).parent / "__pycache__",
              Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fate_lab"]
     for home in homes:
-        path = home / f"{name}.py"
+        path = home / f"{mod}.py"
         try:
+            for old in home.glob(f"replay_{name}_*.py"):  # the loops of an earlier driver.py or policy file
+                if old != path and re.fullmatch(rf"replay_{name}_[0-9a-f]{{16}}\.py", old.name):
+                    old.unlink(missing_ok=True)
             if not (path.is_file() and path.read_text() == text):
                 home.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -64,17 +66,9 @@ def _load():
         except OSError:  # a read-only install: the user's cache folder
             continue
     else:
-        raise OSError(f"no writable folder for the replay's compiled policy calls (tried {[str(h) for h in homes]})")
-    spec = importlib.util.spec_from_file_location(f"fate_lab.sim.fast.{name}", path)
+        raise OSError(f"no writable folder for the replay loop of {name!r} (tried {[str(h) for h in homes]})")
+    spec = importlib.util.spec_from_file_location(f"fate_lab.sim.fast.{mod}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # numba's cache finds the module of the code it loads by name
     spec.loader.exec_module(module)
     return module
-
-
-_calls = _load()
-policy_init = _calls.policy_init
-policy_admit = _calls.policy_admit
-policy_access = _calls.policy_access
-policy_observe = _calls.policy_observe
-policy_tick = _calls.policy_tick
