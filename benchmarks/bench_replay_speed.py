@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> str:
             lines.append(f"| {pol} | {wall:.1f} | {cpu:.1f} | {N * L * k * (E + 1) / wall / 1e6:.0f} |")
         lines.append("")
     load1 = os.getloadavg()
-    lines += [f"First call in a fresh process with an empty numba cache (compiles every kernel): {first:.0f} s; "
+    lines += [f"First LRU replay in a fresh process with an empty numba cache (compiles LRU's loop, its functions and "
+              f"the input checks; each further policy compiles its own loop on its first replay): {first:.0f} s; "
               "later processes load the cached kernels in about a second.", "",
               f"Load average {load1[0]:.1f} at the end. Wall time {time.time() - t0:.0f} s."]
     text = "\n".join(lines) + "\n"

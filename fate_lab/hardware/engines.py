@@ -17,9 +17,24 @@ FATE_LAB_CALL_S = 78e-6  # fate_lab's host time per experts call without a predi
 FATE_LAB_PREDICT_S = 22e-6  # ... what fate's host-side cross-layer prediction adds to it (fate 100 us - lru 78 us)
 # Both measured by benchmarks/bench_host_path.py (benchmarks/results/host_path_2026-12-04.md: hooks on a tiny random
 # Qwen2-MoE, 8 MoE layers, every expert cached, one torch thread) on the 2-core AMD EPYC of the test machine, and
-# used as they are for any host: fate_lab's runtime as it runs on a host core of that speed. The simulator's
-# roofline (roofline.py) and plan's fate_lab engine read them. ONE place: update it when the runtime's call changes.
+# scaled to another host by its clock (FATE_LAB_HOST_GHZ below). The simulator's roofline (roofline.py) and plan's
+# fate_lab engine read them. ONE place: update it when the runtime's call changes.
 FATE_LAB_MOE_CALL_S = FATE_LAB_CALL_S + FATE_LAB_PREDICT_S  # fate's whole call, prediction included: 100 us
+FATE_LAB_HOST_GHZ = 2.6  # the core clock of the CPU those were measured on: "AMD EPYC", CPU family 25 model 17 (Zen 4,
+# EPYC 9004), 2596 MHz in /proc/cpuinfo. That host time is one thread of Python and torch dispatch, so on another host
+# it is scaled by the clock ratio, FATE_LAB_HOST_GHZ / ghz (`host_time`), with the host's all-core clock from
+# host_specs.py. Stated assumption: equal work per cycle (IPC); Zen 3/4 and Ice Lake-Sapphire Rapids cores differ by
+# less than 20% per clock, an Arm Cortex-A78 core more (not measured here).
+
+
+def host_time(seconds: float, ghz: float | None) -> float:
+    """A host time measured on the test machine (FATE_LAB_HOST_GHZ), on a core running at `ghz` (None: the test
+    machine's own clock, unscaled)."""
+    if ghz is None:
+        return seconds
+    if not (isinstance(ghz, (int, float)) and math.isfinite(ghz) and ghz > 0):
+        raise ValueError(f"ghz={ghz!r}: give the host's core clock in GHz, a finite number > 0")
+    return seconds * FATE_LAB_HOST_GHZ / ghz
 HOP_S = 30e-6  # activations GPU->CPU->GPU and a thread-pool wake per CPU-expert layer: two ~10 us copies + ~10 us
 # of wake-up and synchronisation (estimate; Fiddler reports tens of microseconds per host call)
 PREFILL_STREAM_MIN_BATCH = 32  # llama.cpp's CUDA backend offloads an op on CPU-resident weights to the GPU from
@@ -39,6 +54,8 @@ class Engine:
     hop_s: float  # extra per layer whose routed experts run on the CPU while the rest runs on the GPU
     cpu_flops_eff: float  # CPU GEMMs of a prompt: achieved / peak FP32 FLOP/s
     prefill_stream: bool  # CPU-placed weights cross the link to the GPU for a prompt's batches (op offload)
+    layer_s_ghz: float | None = None  # layer_s is host time measured on a core of this clock: scaled by the host's
+    # clock (`host_time`); None: a fixed time
     sources: dict = field(default_factory=dict, compare=False)
     calibrated_on: tuple[str, ...] = ()  # published.json ids a constant was fitted to
 
@@ -50,6 +67,13 @@ class Engine:
         for f in ("cpu_bw_eff", "cpu_flops_eff"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"Engine {self.name!r}: {f}={getattr(self, f)!r}; give a fraction in (0, 1]")
+
+    def layer_time(self, ghz: float | None) -> float:
+        """layer_s on a host whose cores run at `ghz`: scaled by the clock ratio where layer_s is measured host
+        time (`layer_s_ghz`), else as it is."""
+        if self.layer_s_ghz is None or ghz is None:
+            return self.layer_s
+        return host_time(self.layer_s, ghz) * self.layer_s_ghz / FATE_LAB_HOST_GHZ  # layer_s x layer_s_ghz / ghz
 
     def cpu_bandwidth(self, socket_bps: float, sockets: int, cores: int) -> float:
         """Bytes/s its CPU expert kernels stream on a host: memory-bound or core-bound, whichever is lower."""
@@ -84,10 +108,11 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
                     "prefill_stream": "V0.2 computes a prompt's experts on the CPU"},
            calibrated_on=("ktransformers_v02_dual_socket_8",)),
     Engine("fate_lab", cpu_bw_eff=0.5, cpu_core_bps=3.80e9, numa_gain=0.0, layer_s=FATE_LAB_MOE_CALL_S, hop_s=HOP_S,
-           cpu_flops_eff=0.4, prefill_stream=False,
+           cpu_flops_eff=0.4, prefill_stream=False, layer_s_ghz=FATE_LAB_HOST_GHZ,
            sources={"cpu_bw_eff": "estimate: hosts.py's 0.5 for bf16 expert GEMVs (no measurement found)",
                     "cpu_core_bps": "as llama.cpp (estimate)", "numa_gain": "estimate: no NUMA placement",
-                    "layer_s": "measured: FATE_LAB_MOE_CALL_S (bench_host_path)",
+                    "layer_s": "measured: FATE_LAB_MOE_CALL_S (bench_host_path) at FATE_LAB_HOST_GHZ, scaled "
+                                          "by the host's clock",
                     "hop_s": "estimate (HOP_S)", "cpu_flops_eff": "estimate (as llama.cpp)",
                     "prefill_stream": "host compute runs a prompt's host experts on the CPU"}),
 )}
@@ -105,4 +130,5 @@ def host_profile_of(spec, eng: Engine):
     from fate_lab.hardware.hosts import HostProfile
 
     return HostProfile(spec.name, eng.cpu_bandwidth(spec.socket_bandwidth(), spec.sockets, spec.cores),
-                       spec.flops(spec.sockets) * eng.cpu_flops_eff, HOP_S, f"{spec.describe()} under {eng.name}")
+                       spec.flops(spec.sockets) * eng.cpu_flops_eff, HOP_S, f"{spec.describe()} under {eng.name}",
+                       ghz=spec.ghz)

@@ -15,8 +15,11 @@ What it is not: a benchmark. The numbers below are OUR estimates, each derived i
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+
+from fate_lab.hardware.host_specs import HOSTS
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class HostProfile:
     flops: float  # FLOP/s of a multi-threaded GEMM on the expert's dtype (effective)
     call_s: float  # per expert call: activations to the host and back, thread wake-up, synchronisation
     source: str = ""
+    ghz: float | None = None  # the all-core clock (host_specs.py): scales the runtime's measured host time (None:
+    # the test machine's clock, engines.FATE_LAB_HOST_GHZ)
 
     def __post_init__(self) -> None:
         for field, unit in (("bandwidth", "bytes/s"), ("flops", "FLOP/s")):
@@ -36,6 +41,9 @@ class HostProfile:
                 raise ValueError(f"HostProfile {self.name!r}: {field}={v!r} {unit}; give a finite number > 0")
         if not (isinstance(self.call_s, (int, float)) and math.isfinite(self.call_s) and self.call_s >= 0):
             raise ValueError(f"HostProfile {self.name!r}: call_s={self.call_s!r} s; give a finite number >= 0")
+        ghz = self.ghz
+        if ghz is not None and not (isinstance(ghz, (int, float)) and math.isfinite(ghz) and ghz > 0):
+            raise ValueError(f"HostProfile {self.name!r}: ghz={self.ghz!r}; give the core clock in GHz, > 0")
 
     def expert_s(self, nbytes: int, flops_per_token: float, n: int) -> float:
         """Seconds for one expert of nbytes (flops_per_token FLOPs per token) on n tokens."""
@@ -81,6 +89,9 @@ HOST_PROFILES: dict[str, HostProfile] = {
     "epyc_7742": HostProfile("EPYC 7742, 64 cores, 8ch DDR4-3200", 0.5 * 204.8e9, 0.4 * 4.6e12, 30e-6,
                              "Krasis' host; 204.8 GB/s peak; AVX2 ~4.6 TFLOP/s"),
 }
+_ORIN_GHZ = 2.2  # Jetson AGX Orin 64GB: Cortex-A78AE up to 2.2 GHz (NVIDIA Jetson AGX Orin data sheet)
+HOST_PROFILES = {k: dataclasses.replace(p, ghz=HOSTS[k].ghz if k in HOSTS else _ORIN_GHZ)
+                 for k, p in HOST_PROFILES.items()}  # each profile's clock, from its host spec
 
 
 def host_profile(name: str) -> HostProfile:

@@ -18,14 +18,15 @@ from dataclasses import dataclass
 
 from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.devices import DeviceSpec
-from fate_lab.hardware.engines import FATE_LAB_CALL_S, FATE_LAB_PREDICT_S
+from fate_lab.hardware.engines import FATE_LAB_CALL_S, FATE_LAB_PREDICT_S, host_time
 from fate_lab.hardware.hosts import HostProfile
 
 DENSE_LAUNCHES = 20  # kernels of one decoder layer's dense part in eager PyTorch (norms, q/k/v/o, rope, softmax,
 # shared expert, residuals): ~20 in the Qwen1.5-MoE estimate (compute.py)
 EXPERT_LAUNCHES = 4  # gate_up GEMM, activation, down GEMM, weighted add
 CALL_S = FATE_LAB_CALL_S  # the experts call's own host time in fate_lab's runtime (routing ids to the host, the
-# cache's step): measured, 78 us on the test machine's CPU (engines.py); it was a 10 us guess until measured
+# cache's step): measured, 78 us on the test machine's CPU (engines.py; scaled by the host's clock, host_time); it was
+# a 10 us guess until measured
 HOST_CALL_S = FATE_LAB_PREDICT_S  # a host-side prediction's fixed cost (Python + the sort of E scores): measured, 22 us
 
 
@@ -52,11 +53,12 @@ def derive_compute(costs: ModelCosts, dev: DeviceSpec, host: HostProfile | None 
     dense_s = DENSE_LAUNCHES * dev.launch_s + max(dev.read_s(dense_bytes), dev.compute_s(costs.dense_layer_flops))
     expert_s = EXPERT_LAUNCHES * dev.launch_s + max(dev.read_s(costs.expert_bytes), dev.compute_s(costs.expert_flops))
     predict_s = predict_per_token_s = 0.0
+    ghz = None if host is None else host.ghz
     if host is not None and costs.router_host_bytes:
-        predict_s = HOST_CALL_S + costs.router_host_bytes / host.bandwidth
+        predict_s = host_time(HOST_CALL_S, ghz) + costs.router_host_bytes / host.bandwidth
         predict_per_token_s = costs.router_host_bytes / 2 / host.flops  # 2 FLOPs per fp32 weight (4 bytes)
     return ComputeProfile(
         name or f"roofline on {dev.name}", dense_s, dev.compute_s(costs.dense_layer_flops), expert_s,
-        dev.compute_s(costs.expert_flops), CALL_S, predict_s, predict_per_token_s,
+        dev.compute_s(costs.expert_flops), host_time(CALL_S, ghz), predict_s, predict_per_token_s,
         source=f"roofline: {dev.describe()}, bandwidth x {dev.bw_efficiency}, compute x {dev.compute_efficiency}, "
                f"{dev.launch_s * 1e6:g} us a launch" + (f"; prediction on {host.name}" if host is not None else ""))

@@ -176,7 +176,8 @@ def predict(d: Deployment) -> StaticPrediction:
         else:
             cpu_read += experts
             cpu_faulted += min(p.top_k, lp.experts) * mmap_read_bytes(p.expert_bytes(fmt, i), _readahead(d))
-        t["fixed"] += eng.layer_s + (eng.hop_s if on_gpu and not unified and lp.experts and not exp_gpu else 0.0)
+        hop = eng.hop_s if on_gpu and not unified and lp.experts and not exp_gpu else 0.0
+        t["fixed"] += eng.layer_time(d.host.ghz) + hop
     head = p.head_bytes(fmt)
     if unified or (has_gpu and lay.head_on_gpu):
         t["gpu"] += head / gbw
@@ -226,6 +227,6 @@ def _prefill_s(d: Deployment, lay, has_gpu: bool, unified: bool, resident: float
                 else:
                     total += max(nbytes * resident / cbw + (faulted * (1 - resident) / disk_bw if disk_bw else 0),
                                  flops / crate)
-            total += eng.layer_s
+            total += eng.layer_time(d.host.ghz)
         total += p.head_bytes(fmt) / (gbw if has_gpu and lay.head_on_gpu else cbw)
     return total

@@ -37,6 +37,22 @@ def test_a_decode_token_by_hand():
     assert r.flags == "-ngl 999 --cpu-moe" and r.fits
 
 
+def test_a_measured_host_time_scales_with_the_host_clock():
+    # an engine whose per-layer time is host time measured on a 2.6 GHz core: on a 5.2 GHz host it is half, on a
+    # 1.3 GHz host twice (the host's all-core clock, HostSpec.ghz); a fixed per-layer time stays as it is
+    measured = dataclasses.replace(ENG, layer_s=10e-6, layer_s_ghz=2.6)
+    fast, slow = dataclasses.replace(HOST, ghz=5.2), dataclasses.replace(HOST, ghz=1.3)
+    gpu = 2 * (2000 + 1200) / 0.75e9 + 1000 / 0.75e9  # all on the GPU, as in the test above
+    for host, layer in ((fast, 5e-6), (slow, 20e-6)):
+        r = predict(Deployment(TOY, FORMATS["bf16"], Placement(), DEV, host, measured, LINK))
+        assert 1 / r.decode_tok_s == pytest.approx(gpu + 2 * layer)
+        r = predict(Deployment(TOY, FORMATS["bf16"], Placement(), DEV, host, ENG, LINK))
+        assert 1 / r.decode_tok_s == pytest.approx(gpu + 2 * 1e-6)
+    assert ENGINES["fate_lab"].layer_time(5.2) == pytest.approx(ENGINES["fate_lab"].layer_s / 2)
+    with pytest.raises(ValueError, match="ghz"):
+        ENGINES["fate_lab"].layer_time(0.0)
+
+
 def test_weights_beyond_ram_stream_from_disk_in_read_ahead_windows():
     disk = Disk("toy disk", 1e9, 1e-4, queue_depth=4, readahead=8192)
     host = dataclasses.replace(HOST, ram_gib=1.0)  # 1 GiB minus the OS's 2 GiB: nothing resident
