@@ -28,13 +28,19 @@ _lock = threading.Lock()
 
 
 def source(name: str) -> str:
-    """The text of driver.py with its policy line naming `name` (a registered policy)."""
+    """The text of driver.py with its policy line naming `name` (a registered policy), and a digest of the policy
+    sources in a last comment."""
     if name not in POLICIES:
         raise ValueError(f"unknown replacement policy {name!r}; choose one of {sorted(POLICIES)}")
     text = Path(driver.__file__).read_text()
     if text.count(_LINE) != 1:
         raise RuntimeError(f"{driver.__file__} must hold the line {_LINE!r} exactly once")
-    return text.replace(_LINE, f"POLICY = POLICIES[{name!r}]")
+    from fate_lab.policy.kernels import _sources_digest
+
+    # the digest of the policy files and their callers: an edited policy gets a new file name, so numba's cache,
+    # which keys a loop on this file alone, never serves a loop compiled around the policy's old functions
+    return (text.replace(_LINE, f"POLICY = POLICIES[{name!r}]")
+            + f"# written for the policy sources {_sources_digest()[:16]}\n")
 
 
 def loop_for(name: str) -> ModuleType:
