@@ -13,7 +13,7 @@ from __future__ import annotations
 from fate_lab.core.shape import ModelShape
 from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.devices import device
-from fate_lab.hardware.hosts import host_profile
+from fate_lab.hardware.hosts import HostProfile, host_profile
 from fate_lab.hardware.roofline import ModelCosts, derive_compute
 
 
@@ -35,12 +35,13 @@ def model_costs(shape: ModelShape, vocab_size: int = 0, tied: bool = False, cont
                       router_host_bytes=4 * shape.num_experts * shape.hidden, num_layers=shape.num_layers)
 
 
-def compute_for(shape: ModelShape, device_name: str, host: str = "desktop_ddr4", vocab_size: int = 0,
+def compute_for(shape: ModelShape, device_name: str, host: str | HostProfile = "desktop_ddr4", vocab_size: int = 0,
                 tied: bool = False, context: int = 0, expert_bytes: float | None = None) -> ComputeProfile:
-    """The roofline `ComputeProfile` of a model shape on a named device, the prediction on a named host CPU
-    (expert_bytes: as `model_costs`)."""
+    """The roofline `ComputeProfile` of a model shape on a named device, the prediction and the runtime's host time
+    on a host CPU (a profile or its name; expert_bytes: as `model_costs`)."""
     dev = device(device_name)
-    return derive_compute(model_costs(shape, vocab_size, tied, context, expert_bytes), dev, host_profile(host),
+    hp = host if isinstance(host, HostProfile) else host_profile(host)
+    return derive_compute(model_costs(shape, vocab_size, tied, context, expert_bytes), dev, hp,
                           f"roofline: {dev.name}")
 
 

@@ -122,7 +122,7 @@ class DeploymentPlan:
         return json.dumps(self.as_dict(), indent=1, default=str, allow_nan=False)
 
 
-def _quant_compute(shape: ModelShape, cfg: OffloadConfig, dev_name: str, host: str, spec, context: int):
+def _quant_compute(shape: ModelShape, cfg: OffloadConfig, dev_name: str, host, spec, context: int):
     """The compute profile of a quantized preset: the runtime dequantizes a packed expert into a full-precision
     scratch and multiplies that, so one expert reads its packed bytes, writes and reads the scratch."""
     from fate_lab.core.sizing import slot_sizing
@@ -153,6 +153,7 @@ def plan(model: str, device_name: str, budget: str | int | None = None, link: st
         raise ValueError(f"--context {context!r}: give the KV-cache tokens to plan for, a whole number from 1 to "
                          f"{1 << 20:,}")
     host_obj = None if host in HOST_PROFILES else host_profile_of(host_spec(host), engine("fate_lab"))
+    host_prof = HOST_PROFILES[host] if host_obj is None else host_obj  # the runtime's host time scales by its clock
     spec = model_spec(model, dtype)
     shape = spec.shape
     card = int(dev.memory_gib * 2**30)
@@ -161,7 +162,7 @@ def plan(model: str, device_name: str, budget: str | int | None = None, link: st
         raise ValueError(f"--budget {budget!r} is more than the {dev.name}'s {dev.memory_gib:g} GiB; give at most "
                          "the card's memory (or leave --budget out to use all of it)")
     tr, routing, standin = _routing(spec, trace, fast)
-    compute = compute_for(shape, device_name, "desktop_ddr4", spec.vocab_size, spec.tied, context // 2)
+    compute = compute_for(shape, device_name, host_prof, spec.vocab_size, spec.tied, context // 2)
     hw = Hardware(compute, LINK_PROFILES[link], host=host_obj)
     out = DeploymentPlan(spec.name, device_name, link, budget_b, context, routing, standin,
                          compute=dataclasses.asdict(compute))
@@ -196,7 +197,7 @@ def plan(model: str, device_name: str, budget: str | int | None = None, link: st
         if needs_router(cfg) and (tr.gate_inputs is None or tr.router_weights is None):
             out.skipped[name] = "needs a trace with gate inputs (record one: python -m fate_lab trace --model DIR)"
             continue
-        run_hw = hw if cfg.quant is None else Hardware(_quant_compute(shape, cfg, device_name, "desktop_ddr4", spec,
+        run_hw = hw if cfg.quant is None else Hardware(_quant_compute(shape, cfg, device_name, host_prof, spec,
                                                                       context), hw.link, host=host_obj)
         row = simulate(tr, cfg, run_hw, shape).row(name)
         row["depends on routing"] = name not in ROUTING_FREE
