@@ -197,8 +197,9 @@ def test_the_compiled_duplicate_scan_equals_a_set_per_row(dtype):
     from fate_lab.model.routing_scan import duplicate_rows
 
     rng = np.random.default_rng(0)
-    for k in (2, 6, 16):
-        a = rng.integers(0, 40, size=(50, 3, k)).astype(dtype)  # many rows repeat an id, some do not
+    # ids below 64 (a row is one bit mask) and up to 200 (rows with an id of 64 or more compare pairwise)
+    for k, E in [(k, E) for k in (2, 6, 16) for E in (40, min(200, np.iinfo(dtype).max + 1))]:
+        a = rng.integers(0, E, size=(50, 3, k)).astype(dtype)  # many rows repeat an id, some do not
         bad = [(n, l) for n in range(50) for l in range(3) if len(set(a[n, l].tolist())) < k]  # the reference
         assert duplicate_rows(a) == ((len(bad), *bad[0]) if bad else (0, -1, -1))
 
