@@ -7,7 +7,7 @@ parallel; `replay.sweep` uses it) and `miss_curve_fast` (misses at every capacit
 `registry.POLICIES` with keywords the policy knows (a policy that reads the router's probabilities needs them as
 ``probs``). Not covered (the uncompiled replay runs them): policy factories (Python callables). The compiled
 functions are cached on disk (numba ``cache=True``): the first replay of a policy on a machine compiles its loop
-(2-11 s on a 2-core machine), later processes load it. ``n_jobs`` threads replay disjoint (layer, capacity) jobs at
+(3-14 s on a 2-core machine), later processes load it. ``n_jobs`` threads replay disjoint (layer, capacity) jobs at
 once (the compiled loop releases the GIL).
 
 Semantics: exactly the pure per-layer replay of `replay.py`, the one `cache.ExpertCache` driven with an instant
