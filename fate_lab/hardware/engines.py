@@ -27,14 +27,14 @@ FATE_LAB_HOST_GHZ = 2.6  # the core clock of the CPU those were measured on: "AM
 # less than 20% per clock, an Arm Cortex-A78 core more (not measured here).
 
 
-def host_time(seconds: float, ghz: float | None) -> float:
-    """A host time measured on the test machine (FATE_LAB_HOST_GHZ), on a core running at `ghz` (None: the test
-    machine's own clock, unscaled)."""
+def host_time(seconds: float, ghz: float | None, measured_ghz: float = FATE_LAB_HOST_GHZ) -> float:
+    """A host time measured on a core of `measured_ghz` (default: the test machine's), on a core running at `ghz`
+    (None: the measuring core's own clock, unscaled)."""
     if ghz is None:
         return seconds
     if not (isinstance(ghz, (int, float)) and math.isfinite(ghz) and ghz > 0):
         raise ValueError(f"ghz={ghz!r}: give the host's core clock in GHz, a finite number > 0")
-    return seconds * FATE_LAB_HOST_GHZ / ghz
+    return seconds * measured_ghz / ghz
 HOP_S = 30e-6  # activations GPU->CPU->GPU and a thread-pool wake per CPU-expert layer: two ~10 us copies + ~10 us
 # of wake-up and synchronisation (estimate; Fiddler reports tens of microseconds per host call)
 PREFILL_STREAM_MIN_BATCH = 32  # llama.cpp's CUDA backend offloads an op on CPU-resident weights to the GPU from
@@ -71,9 +71,9 @@ class Engine:
     def layer_time(self, ghz: float | None) -> float:
         """layer_s on a host whose cores run at `ghz`: scaled by the clock ratio where layer_s is measured host
         time (`layer_s_ghz`), else as it is."""
-        if self.layer_s_ghz is None or ghz is None:
+        if self.layer_s_ghz is None:
             return self.layer_s
-        return host_time(self.layer_s, ghz) * self.layer_s_ghz / FATE_LAB_HOST_GHZ  # layer_s x layer_s_ghz / ghz
+        return host_time(self.layer_s, ghz, self.layer_s_ghz)
 
     def cpu_bandwidth(self, socket_bps: float, sockets: int, cores: int) -> float:
         """Bytes/s its CPU expert kernels stream on a host: memory-bound or core-bound, whichever is lower."""
