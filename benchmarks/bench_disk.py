@@ -3,10 +3,13 @@
 For each model, cache share and preset, runs the real offloaded runtime with `link="disk"` (every transfer an
 O_DIRECT read of the checkpoint, so no row is served by the page cache; each row offloads anew, so its slots
 start empty) and `fate_lab.simulate` on a trace of the same prompts, with this machine's Hardware from
-`machine_hardware(model, tok, link="disk")` (compute calibrated from the runtime over the disk, the disk
-measured with O_DIRECT reads). Repeats are interleaved (every row once, then again); the table gives the median
-and the spread (min-max) of the measured figures. Each run is checked against the disk's bound: it cannot take
-less time than the checkpoint bytes it read at the best O_DIRECT bandwidth measured. `lru_quant` and `fate_quant`
+`machine_hardware(model, tok, link="disk", fresh=True)` (compute calibrated from the runtime, the disk measured with
+O_DIRECT reads, the readers' host work and their contention with compute measured apart: `fit/contention.py`).
+Repeats are rounds: each measures the machine anew, then runs every row once and predicts it from that
+measurement, since this shared machine's speed drifts by 10-20% within minutes; the table gives the median and
+the spread (min-max) of the measured and predicted figures, and the median of each round's own ratio. Each run is
+checked against the disk's bound: it cannot take less time than the checkpoint bytes it read at the O_DIRECT
+bandwidth measured in its round. `lru_quant` and `fate_quant`
 read the packed copies they write to a file once (fate_lab's cache folder) from the same disk, so their rows
 move fewer bytes per load; the packing happens at offload, before the timed run.
 
@@ -58,6 +61,24 @@ def run_runtime(model, prompts, cfg, new_tokens, disk_bytes: float, bandwidth: f
             "bound_s": reads * disk_bytes / bandwidth, "hit": st.summary()["decode"]["hit_rate"]}
 
 
+def _spread(xs: list[float]) -> str:
+    """'median [min-max]'."""
+    return f"{statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}]"
+
+
+def _machine(hw, layer_s: float, raw_bw: float, nbytes: int) -> str:
+    """One round's measured machine, in words: the disk, a layer, a read's host work (of nbytes), the readers'
+    slow-downs."""
+    c, link = hw.compute, hw.link
+    line = (f"disk {raw_bw / 1e9:.2f} GB/s and {link.latency * 1e3:.3f} ms per read, layer {layer_s * 1e3:.3f} ms")
+    if c.disk_model:
+        line += (f", a read's host work {c.read_host(nbytes, False) * 1e3:.3f} ms alone / "
+                 f"{c.read_host(nbytes, True) * 1e3:.3f} ms beside compute, compute x"
+                 + "/".join(f"{f:.2f}" for f in c.reader_slowdown) + " (dense x"
+                 + "/".join(f"{f:.2f}" for f in c.reader_slowdown_dense) + ") with 1/2 readers busy")
+    return line
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fast", action="store_true", help="one model, three presets, 25%% cached")
@@ -90,48 +111,57 @@ def _run(args, argv) -> str:
     lines = [f"# Experts from this machine's disk: simulator vs runtime ({time.strftime('%Y-%m-%d')})", "",
              f"`python -m benchmarks.bench_disk {shlex.join(argv or sys.argv[1:])}`", "",
              f"Machine load (1/5/15 min) at start: {' '.join(load0)}. {args.prompts} held-out prompts x "
-             f"{args.new_tokens} tokens per run; {args.repeats} interleaved repeats; measured: median [min-max].", ""]
+             f"{args.new_tokens} tokens per run; {args.repeats} rounds, each measuring the machine "
+             "(`machine_hardware(..., fresh=True)`) and then running every row once, cold; measured and predicted: "
+             "median [min-max] over the rounds; pred/meas: the median of each round's own ratio (this shared machine's "
+             "speed drifts by 10-20% within minutes).", ""]
     rows: list[tuple] = []
     for name in models:
         model, tok = load_model(name)
         a = adapt(model)
-        hw, layer_s = machine_hardware(model, tok, link="disk")
-        c, link = hw.compute, hw.link
+        shape = ModelShape.from_adapter(a)
         disk_bytes = checkpoint_expert_bytes(model_dir(name) / "model.safetensors")
-        raw_bw = link.bandwidth * disk_bytes / ModelShape.from_adapter(a).nbytes()  # back to checkpoint bytes/s
         prompts = [tok(t)["input_ids"][:24] for t in heldout_prompts(args.prompts)]
         trace = record_trace(model, tok, prompts, decode_tokens=args.new_tokens - 1, progress=False)
-        shape = ModelShape.from_adapter(a)
         total = a.num_moe_layers * a.num_experts
-        lines += [f"## {name}", "", f"Disk (measured now): {raw_bw / 1e9:.2f} GB/s, {link.latency * 1e3:.3f} ms per "
-                  f"read, {link.queue_depth} reader threads; layer {layer_s * 1e3:.3f} ms; link overshoot "
-                  f"+{c.link_extra_s * 1e3:.3f} ms, per landed transfer +{c.landed_s * 1e3:.3f} ms, busy x"
-                  f"{c.busy_factor:.2f}.", "",
+        keys = [(share, p) for share in shares for p in presets]
+
+        def configs(layer_s: float, name=name, total=total, keys=keys) -> dict:
+            return {(share, p): OffloadConfig.preset(p, link="disk", store="ssd", checkpoint=str(model_dir(name)),
+                                                     slots=int(total * share), layer_compute_s=layer_s)
+                    for share, p in keys}
+
+        with offload(model, configs(1e-3)[keys[0]]):
+            greedy(model, prompts[0][:8], 4)  # warm-up: the first forwards allocate
+        runs: dict = {k: [] for k in keys}
+        preds: dict = {k: [] for k in keys}
+        machines = []
+        for _ in range(args.repeats):  # a round: the machine measured now, then every row once, each predicted
+            hw, layer_s = machine_hardware(model, tok, link="disk", fresh=True)
+            raw_bw = hw.link.bandwidth * disk_bytes / shape.nbytes()  # back to checkpoint bytes/s
+            machines.append((hw, layer_s, raw_bw))
+            cfgs = configs(layer_s)
+            for k, cfg in cfgs.items():
+                runs[k].append(run_runtime(model, prompts, cfg, args.new_tokens, disk_bytes, raw_bw))
+            for k, cfg in cfgs.items():
+                sim = simulate(trace, cfg.replace(), hw, shape)
+                preds[k].append((sim.decode_tok_s, 1e3 * sim.forward_s["prefill"][0]))
+        lines += [f"## {name}", "", "This machine, measured at the start of each round: " + "; ".join(
+            _machine(hw, layer_s, raw_bw, shape.nbytes()) for hw, layer_s, raw_bw in machines) + ".", "",
                   "| cached | preset | measured tok/s | predicted tok/s | pred/meas | measured TTFT ms | "
                   "predicted TTFT ms | pred/meas TTFT | hit | disk bound kept |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        cfgs = {(share, p): OffloadConfig.preset(p, link="disk", store="ssd", checkpoint=str(model_dir(name)),
-                                                 slots=int(total * share), layer_compute_s=layer_s)
-                for share in shares for p in presets}
-        with offload(model, next(iter(cfgs.values()))):
-            greedy(model, prompts[0][:8], 4)  # warm-up: the first forwards allocate
-        runs: dict = {k: [] for k in cfgs}
-        for _ in range(args.repeats):  # interleaved: every row once, then again
-            for k, cfg in cfgs.items():
-                runs[k].append(run_runtime(model, prompts, cfg, args.new_tokens, disk_bytes, raw_bw))
-        for (share, p), cfg in cfgs.items():
-            sim = simulate(trace, cfg.replace(), hw, shape)
-            r = runs[share, p]
-            tok_s = [x["tok_s"] for x in r]
-            ttft = [x["ttft_ms"] for x in r]
-            mt, mf = statistics.median(tok_s), statistics.median(ttft)
-            st_ttft = 1e3 * sim.forward_s["prefill"][0]
+        for share, p in keys:
+            r, q = runs[share, p], preds[share, p]
+            tok_s, ttft = [x["tok_s"] for x in r], [x["ttft_ms"] for x in r]
+            ptok, pttft = [x[0] for x in q], [x[1] for x in q]
+            dec = statistics.median(b / m for b, m in zip(ptok, tok_s, strict=True))  # each round's own ratio
+            ttf = statistics.median(b / m for b, m in zip(pttft, ttft, strict=True))
             kept = all(x["wall_s"] >= x["bound_s"] for x in r)
-            rows.append((sim.decode_tok_s / mt, st_ttft / mf, kept))
-            lines.append(f"| {share:.0%} | {p} | {mt:.1f} [{min(tok_s):.1f}-{max(tok_s):.1f}] | "
-                         f"{sim.decode_tok_s:.1f} | {sim.decode_tok_s / mt:.2f} | {mf:.1f} [{min(ttft):.1f}-"
-                         f"{max(ttft):.1f}] | {st_ttft:.1f} | {st_ttft / mf:.2f} | "
-                         f"{statistics.median(x['hit'] for x in r):.3f} | {'yes' if kept else 'NO'} |")
+            rows.append((dec, ttf, kept))
+            lines.append(f"| {share:.0%} | {p} | {_spread(tok_s)} | {_spread(ptok)} | {dec:.2f} | {_spread(ttft)} | "
+                         f"{_spread(pttft)} | {ttf:.2f} | {statistics.median(x['hit'] for x in r):.3f} | "
+                         f"{'yes' if kept else 'NO'} |")
             print(lines[-1], flush=True)
         lines.append("")
     dec = [d for d, _, _ in rows]

@@ -77,6 +77,28 @@ def link_overshoot(moves: list[tuple[float, float]], nbytes: int, link: LinkProf
     return max(0.0, med(over) if link.queue_depth == 1 else sum(over) / len(over))
 
 
+# predictors whose host work is not the cross-layer gate's, each timed in a run of its own preset (every expert
+# resident, instant link): the activation path's counts and the activation matrix's search run in Python per call
+PREDICTORS_APART = {"activation_path": "activation_path", "activation_matrix": "eap"}
+
+
+def _predictor_figures(model, prompt_ids: torch.Tensor, preset: str, new_tokens: int,
+                       quant: str | None) -> tuple[float, float]:
+    """(predict_s, predict_per_token_s) of `preset`'s predictor, read off its prediction events as the gate's are
+    (`_resident_figures`), medians over RESIDENT_RUNS generates."""
+    from fate_lab.offloading.runtime import offload
+
+    runs = []
+    with offload(model, OffloadConfig.preset(preset, all_resident=True, link="instant", quant=quant)) as rt:
+        model.generate(prompt_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
+        M, L, T = rt.adapter.num_moe_layers, len(getattr(model, "model", model).layers), prompt_ids.shape[1]
+        for _ in range(RESIDENT_RUNS):
+            rt.reset_stats()
+            model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            runs.append(_resident_figures(rt.stats, M, L, T, rt.top_k)[5:])
+    return med([r[0] for r in runs]), med([r[1] for r in runs])
+
+
 def _dequant_s(w) -> float:
     """The runtime's dequantize of expert w at INT4, in the largest of INT4's group sizes (64, 32, ..., 8) that
     divides its projections' last dims, as a quantized preset would have to pick; 0 if none does (no packed slot
@@ -122,6 +144,8 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
             runs.append(_resident_figures(rt.stats, M, L, T, rt.top_k))
     dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok = (
         med([r[i] for r in runs]) for i in range(7))
+    predictors = tuple((pred, *_predictor_figures(model, prompt_ids, preset, new_tokens, quant))
+                       for pred, preset in PREDICTORS_APART.items())
     if packed:  # the measured expert time holds the dequantize, which the simulator charges apart (dequant_s)
         expert_s = max(0.0, expert_s - dequant)
     cold = landed = extra = wake = queued = 0.0
@@ -179,11 +203,22 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
         queued = max(0.0, d2.compute_s / n2 - in_calls2 - M * call_s * busy) / per
         dense_part = (sum(st2.forward_s["decode"]) - d2.compute_s) / n2  # per token, outside experts calls
         landed = max(0.0, (dense_part - L * dense_s) / per)
+    disk: dict = {}
+    if link == "disk":  # the readers' host work and their contention with compute, each measured on its own
+        from fate_lab.fit.contention import measure_contention
+
+        lp = link_profile if link_profile is not None else rt2.link
+        con = measure_contention(model, prompt_ids, depth=lp.queue_depth)
+        disk = {"read_host_s": con.host_line(lp.latency, lp.bandwidth, busy=False),
+                "read_host_busy_s": con.host_line(lp.latency, lp.bandwidth, busy=True), "reader_slowdown": con.slowdown,
+                "reader_slowdown_dense": con.slowdown_dense}
+        extra, demand_extra, busy, landed = 0.0, None, 1.0, 0.0  # what the disk model replaces
     return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok,
                           expert_cold_s=cold, landed_s=landed, link_extra_s=max(0.0, extra), wake_s=wake,
-                          demand_extra_s=demand_extra,
+                          demand_extra_s=demand_extra, **disk, predictors=predictors,
                           busy_factor=busy, transfer_host_s=queued, dequant_s=dequant,
                           source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime (all resident, "
                           f"instant link, {new_tokens} tokens, quant={quant}"
                           + (f"; cold experts, the busy link's slow-down and per-transfer time over {link}" if link
-                             else "") + ")")
+                             else "") + ("; the disk readers' host work and contention measured apart "
+                                         "(fit/contention.py)" if disk else "") + ")")

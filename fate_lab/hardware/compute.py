@@ -43,10 +43,23 @@ class ComputeProfile:
     dequant_s: float = 0.0  # one packed expert dequantized into the full-precision scratch before it computes (each
     # compute from a packed slot): the runtime's own dequantize timed on this machine at INT4 (fit/calibrate.py);
     # 0 in the data-sheet GPU profiles, which no measurement of it backs
+    read_host_s: tuple[float, float] | None = None  # a disk read's host work (digest check, conversion, copy into
+    # its slot) beyond the disk's latency + bytes / bandwidth, the compute thread waiting: (seconds per read, seconds
+    # per byte); set, the simulator runs the disk model below instead of link_extra_s, demand_extra_s, busy_factor
+    # and landed_s: reads served one at a time, each compute piece slowed by the readers busy beside it
+    # (fit/contention.py measures both)
+    read_host_busy_s: tuple[float, float] = (0.0, 0.0)  # the same while the compute thread runs beside the read
+    reader_slowdown: tuple[float, ...] = ()  # the compute thread's slow-down with 1, 2, ... reader threads busy: of
+    # the experts calls' pieces (experts, bookkeeping, prediction, dequantize)
+    reader_slowdown_dense: tuple[float, ...] = ()  # ... of the dense layers (empty: reader_slowdown's)
+    predictors: tuple[tuple[str, float, float], ...] = ()  # (predictor, predict_s, predict_per_token_s) of predictors
+    # whose host work differs from the cross-layer gate's (predict_s above), each measured on its own
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name in ("name", "source") or (f.name == "demand_extra_s" and self.demand_extra_s is None):
+            if f.name in ("name", "source", "reader_slowdown", "read_host_s", "read_host_busy_s", "predictors",
+                          "reader_slowdown_dense") or (
+                    f.name == "demand_extra_s" and self.demand_extra_s is None):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -55,6 +68,28 @@ class ComputeProfile:
         if self.busy_factor < 1:
             raise ValueError(f"ComputeProfile {self.name!r}: busy_factor={self.busy_factor!r}; a busy link can "
                              "only slow the compute thread down: give a number >= 1 (1: no slow-down)")
+        for name in ("reader_slowdown", "reader_slowdown_dense"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or any(isinstance(x, bool) or not isinstance(x, (int, float))
+                                               or not math.isfinite(x) or x < 1 for x in v):
+                raise ValueError(f"ComputeProfile {self.name!r}: {name}={v!r}; busy readers can only slow the compute "
+                                 "thread down: give a tuple of numbers >= 1, one per reader thread")
+        for name in ("read_host_s", "read_host_busy_s"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, tuple) or len(v) != 2 or any(
+                    isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0
+                    for x in v)):
+                raise ValueError(f"ComputeProfile {self.name!r}: {name}={v!r}; give (seconds per read, seconds per "
+                                 "byte), both finite and >= 0")
+        for row in self.predictors:
+            if (not isinstance(row, tuple) or len(row) != 3 or not isinstance(row[0], str) or any(
+                    isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0
+                    for x in row[1:])):
+                raise ValueError(f"ComputeProfile {self.name!r}: predictors holds {row!r}; give (predictor name, "
+                                 "seconds of one decode prediction, seconds per additional token), times >= 0")
+        if self.read_host_s is not None and not self.reader_slowdown:
+            raise ValueError(f"ComputeProfile {self.name!r}: read_host_s is set without reader_slowdown; the disk "
+                             "model needs both (fit/contention.py measures them together)")
         if self.dense_s + self.expert_s <= 0:
             raise ValueError(f"ComputeProfile {self.name!r}: dense_s and expert_s are both 0, so a forward takes no "
                              "time and tokens/s is undefined; give at least one of them > 0")
@@ -62,6 +97,24 @@ class ComputeProfile:
     def transfer_extra(self, urgent: bool) -> float:
         """The overshoot the simulator adds to one transfer: a demand load's, or a prefetch's."""
         return self.demand_extra_s if urgent and self.demand_extra_s is not None else self.link_extra_s
+
+    @property
+    def disk_model(self) -> bool:
+        """True when the simulator charges disk reads and their readers' contention as measured (`read_host_s`)."""
+        return self.read_host_s is not None
+
+    def read_host(self, nbytes: int, busy: bool) -> float:
+        """A disk read's host work for nbytes (the disk model): alone, or beside the compute thread."""
+        per_read, per_byte = (self.read_host_busy_s if busy else self.read_host_s) or (0.0, 0.0)
+        return per_read + per_byte * nbytes
+
+    def slowdown(self, readers: int, dense: bool = False) -> float:
+        """The compute thread's slow-down with `readers` reader threads busy (the deepest measured beyond it), of a
+        dense layer or of an experts call's piece."""
+        f = (self.reader_slowdown_dense or self.reader_slowdown) if dense else self.reader_slowdown
+        if readers <= 0 or not f:
+            return 1.0
+        return f[min(readers, len(f)) - 1]
 
     def dense(self, T: int) -> float:
         """One layer's dense compute for T tokens."""
@@ -71,8 +124,11 @@ class ComputeProfile:
         """One expert's compute on n tokens."""
         return self.expert_s + self.expert_per_token_s * (n - 1)
 
-    def predict(self, T: int) -> float:
-        """One host-side prediction for T tokens."""
+    def predict(self, T: int, predictor: str | None = None) -> float:
+        """One host-side prediction for T tokens (by `predictor` where it was measured apart, else the gate's)."""
+        for name, s, per_token in self.predictors:
+            if name == predictor:
+                return s + per_token * (T - 1)
         return self.predict_s + self.predict_per_token_s * (T - 1)
 
     def decode_layer_s(self, top_k: int) -> float:

@@ -59,6 +59,7 @@ class _SimTransfer:
     start: float | None = None
     end: float | None = None
     counted: bool = False
+    idle: bool = False  # (the disk model) served with the compute thread waiting
 
 
 class SimMover:
@@ -72,7 +73,11 @@ class SimMover:
         self.clock, self.link, self.compute, self.shape = clock, link, compute, shape
         self.queue: list[_SimTransfer] = []  # not started, urgent ones first
         self.free_at = 0.0  # when the last started transfer ends
-        self.entries = [0.0] * (1 if link is None else link.queue_depth)  # when each queue entry is free
+        # the disk model (compute.disk_model): reads are served one at a time (the readers share one interpreter
+        # lock, and two readers read no faster than one on the test machine: fit/contention.py)
+        self.disk = link is not None and compute.disk_model
+        self.entries = [0.0] * (1 if link is None or self.disk else link.queue_depth)  # when each queue entry is free
+        self.idle = False  # the compute thread waits (a read's host work then has the cores to itself)
         self.wire_free = 0.0  # when the bytes of the transfers started so far have all moved
         self.fresh: set[tuple[int, int]] = set()  # (layer, expert) whose bytes landed since it last computed
         self.evicting = 0.0  # landed_s owed by the next dense layer (`Simulator._dense`)
@@ -81,8 +86,19 @@ class SimMover:
     def _time(self, nbytes: int, urgent: bool = False) -> float:
         return 0.0 if self.link is None else self.link.transfer_time(nbytes) + self.compute.transfer_extra(urgent)
 
+    def _read_s(self, nbytes: int, idle: bool) -> float:
+        """The disk model's time of one read of nbytes: the disk's latency + bytes / bandwidth, then the reader's
+        host work (per read and per byte, `ComputeProfile.read_host`), alone or beside compute."""
+        return self.link.latency + nbytes / self.link.bandwidth + self.compute.read_host(nbytes, busy=not idle)
+
     def _start_next(self) -> None:
         x = self.queue.pop(0)
+        if self.disk:  # one read at a time, at the pace the compute thread lets its host work go
+            x.start = max(self.entries[0], x.submit_t)
+            x.end = x.start + self._read_s(x.nbytes, self.idle)
+            x.idle = self.idle
+            self.entries[0] = self.wire_free = self.free_at = x.end
+            return
         i = min(range(len(self.entries)), key=self.entries.__getitem__)
         x.start = max(self.entries[i], x.submit_t)
         t = self._time(x.nbytes, x.urgent)
@@ -102,6 +118,8 @@ class SimMover:
     def _record(self, x: _SimTransfer) -> None:
         if not x.counted:
             x.counted = True
+            if self.disk:  # its end is final only now (a wait may have shortened it)
+                self.rec.event("demand" if x.urgent else "prefetch", x.m, x.e, x.start, x.end)
             self.fresh.add((x.m, x.e))
             self.evicting += self.compute.landed_s
             self.rec.landed(x.m, x.nbytes, x.spec)
@@ -143,9 +161,19 @@ class SimMover:
     def wait(self, m: int, e: int, x: _SimTransfer) -> bool:
         """The compute thread waits until x lands (stall)."""
         self._advance()
-        while x.end is None:
-            self._start_next()
         w0 = self.clock.now
+        if self.disk and x.end is not None and x.end > w0 and not x.idle and self.entries[0] == x.end:
+            # the read on the disk now goes on with the cores to itself: its rest at the idle pace
+            busy, idle = self._read_s(x.nbytes, False), self._read_s(x.nbytes, True)
+            x.end = w0 + (x.end - w0) * idle / busy
+            x.idle = True
+            self.entries[0] = self.wire_free = self.free_at = x.end
+        self.idle = True
+        try:
+            while x.end is None:
+                self._start_next()
+        finally:
+            self.idle = False
         if x.end > w0:
             self.clock.now = x.end + self.compute.wake_s
         self.rec.stall(m, e, w0, self.clock.now)
@@ -155,6 +183,27 @@ class SimMover:
     def reload(self, m: int, e: int, slot: int, reason: str) -> None:  # pragma: no cover - nothing fails here
         """Simulated transfers never fail."""
         raise RuntimeError("a simulated transfer cannot fail")
+
+    def stretch(self, work: float, dense: bool = False) -> None:
+        """Move the compute thread's clock over `work` seconds of compute (a dense layer's, or an experts call's piece),
+        slowed by the readers busy meanwhile (the disk model: min(queue depth, reads queued or running) readers,
+        `ComputeProfile.slowdown`); otherwise plain."""
+        if not self.disk:
+            self.clock.now += work
+            return
+        t, rest = self.clock.now, work
+        while rest > 0:
+            self.clock.now = t
+            self._advance()  # reads the disk reaches meanwhile start, beside compute
+            running = self.entries[0] > t
+            readers = min(self.link.queue_depth, len(self.queue) + running)
+            f = self.compute.slowdown(readers, dense)
+            if not running or t + rest * f <= self.entries[0]:
+                t += rest * f
+                break
+            rest -= (self.entries[0] - t) / f
+            t = self.entries[0]
+        self.clock.now = t
 
     def backlog_s(self) -> float:
         """Link time committed beyond now."""
@@ -188,22 +237,24 @@ class _SimCompute:
         c0 = clock.now
         cold = comp.expert_cold_s if (self.m, e) in sim.mover.fresh else 0.0
         if sim.mover.slot_spec.get(slot) is not None:  # a packed slot: dequantized first, at every use
-            clock.now += comp.dequant_s * sim._slow()
-        clock.now += comp.expert(self.n[e]) * sim._slow() + cold
+            sim.compute(comp.dequant_s)
+        sim.compute(comp.expert(self.n[e]))
+        clock.now += cold
         sim.mover.fresh.discard((self.m, e))
         sim.core.recorder.event("compute", self.m, e, c0, clock.now)
 
     def on_host(self, e: int) -> None:  # the host CPU: its profile's time (+ the emulated hold's sleep overshoot)
         sim, comp, clock = self.sim, self.sim.hw.compute, self.sim.clock
         c0 = clock.now
-        clock.now += sim.core.host_time(self.n[e]) + comp.link_extra_s
+        sim.compute(sim.core.host_time(self.n[e]))
+        clock.now += comp.link_extra_s
         sim.core.recorder.host(self.m, e, c0, clock.now)
         sim.mover.evicting += comp.landed_s  # its weights streamed through the dense layers' caches
 
     def from_standin(self, e: int) -> None:  # the INT2 copy (the dequantize is not modelled: OUR simplification)
         sim, clock = self.sim, self.sim.clock
         c0 = clock.now
-        clock.now += sim.hw.compute.expert(self.n[e]) * sim._slow()
+        sim.compute(sim.hw.compute.expert(self.n[e]))
         sim.core.recorder.event("compute_lowp", self.m, e, c0, clock.now)
 
 
@@ -224,10 +275,14 @@ class Simulator:
         for m, _e, slot in self.core.preload():  # all_resident: marked resident before the first token, nothing moves
             self.mover.slot_spec[slot] = self.core.spec(m, "cache")  # at the cache's precision, as the runtime loads
 
-    def _slow(self) -> float:
-        """The compute profile's slow-down of a compute piece that starts now (`ComputeProfile.busy_factor`)."""
+    def compute(self, seconds: float) -> None:
+        """The compute thread computes for `seconds` (its time alone): slowed by the disk's readers as they run (the
+        disk model, `SimMover.stretch`), else by `ComputeProfile.busy_factor` if the link is busy as it starts."""
+        if self.mover.disk:
+            self.mover.stretch(seconds)
+            return
         f = self.hw.compute.busy_factor
-        return f if f != 1.0 and self.mover.busy() else 1.0
+        self.clock.now += seconds * (f if f != 1.0 and self.mover.busy() else 1.0)
 
     @property
     def stats(self) -> RunStats:
@@ -253,14 +308,14 @@ class Simulator:
         for m in range(M):
             self._dense(T)
             t_call = clock.now
-            clock.now += comp.call_s * self._slow()
+            self.compute(comp.call_s)
             idx = experts[:, m]  # (T, K)
             counts = Counter(idx.reshape(-1).tolist())
 
             def timed(fn, m=m):
                 p0 = clock.now
                 out = fn()
-                clock.now += comp.predict(T) * self._slow()
+                self.compute(comp.predict(T, self.config.prefetch.predictor))
                 rec.event("predict", m, -1, p0, clock.now)
                 return out
 
@@ -278,7 +333,9 @@ class Simulator:
         copies and host computes evict its weights from the shared caches) -- at most its own time again, since
         it re-reads its weights once however much evicted them."""
         d = self.hw.compute.dense(T)
-        self.clock.now += (d if compute else 0.0) + min(self.mover.evicting, d)
+        if compute:  # the dense layer is not slowed by busy_factor (its pieces were measured beside the link)
+            self.mover.stretch(d, dense=True)
+        self.clock.now += min(self.mover.evicting, d)
         self.mover.evicting = 0.0
 
 

@@ -45,17 +45,19 @@ def checkpoint_expert_bytes(file) -> float:
 _calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {link: (Hardware, layer_s)}
 
 
-def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3") -> tuple[Hardware, float]:
+def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3",
+                     fresh: bool = False) -> tuple[Hardware, float]:
     """(Hardware, layer seconds) of this machine running `model` with the emulated `link` (or "disk": this
     machine's disk, measured now with O_DIRECT reads of the model's checkpoint): the run's one clock
     (`clock.machine_clock`, threads pinned) scales the runtime's link and the simulator's alike; the compute
-    profile is calibrated once per (model, link) in this process, threads pinned too."""
+    profile is calibrated once per (model, link) in this process, threads pinned too (fresh: measure it all again,
+    for a machine whose speed drifts between runs)."""
     from tqdm.auto import tqdm
 
     from fate_lab.study.clock import machine_clock, pinned
 
     per_model = _calibrated.setdefault(model, {})
-    if link not in per_model:
+    if link not in per_model or fresh:
         disk = _measured_disk(model) if link == "disk" else None
         with tqdm(total=2, desc="calibrating this machine", unit="step", leave=False) as bar:
             layer_s = machine_clock(model).layer_s

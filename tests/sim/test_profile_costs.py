@@ -122,3 +122,31 @@ def test_a_packed_slot_pays_its_dequantize_at_every_compute(setup, quant):
     computes = sum(layer[p].uses for layer in dq.layers for p in ("prefill", "decode"))
     packed = quant is not None  # int4 and fate keep the cache at INT4; no quant: full-precision slots
     assert _total(dq) - _total(base) == pytest.approx(1e-3 * computes if packed else 0.0, rel=1e-9, abs=1e-12)
+
+
+def test_a_predictor_measured_apart_is_charged_its_own_host_time(setup):
+    trace, shape = setup  # an instant link: the predictions' times only add up
+    cfg = OffloadConfig.preset("activation_path", slots=shape.num_moe_layers * shape.num_experts // 4)
+    own = dataclasses.replace(BASE, predictors=(("activation_path", BASE.predict_s + 1e-3, 2e-5),))
+    base = simulate(trace, cfg, Hardware(BASE, None), shape)
+    charged = simulate(trace, cfg, Hardware(own, None), shape)
+    # every layer but the last predicts once per forward: 1 ms more each, and 2e-5 - the gate's slope per token
+    # beyond the first of a prefill (prompt lengths from the trace)
+    M = shape.num_moe_layers
+    steps = [(b - a) for a, b in _steps(trace)]
+    extra = sum((M - 1) * (1e-3 + (2e-5 - BASE.predict_per_token_s) * (T - 1)) for T in steps)
+    assert _total(charged) - _total(base) == pytest.approx(extra, rel=1e-9)
+    other = dataclasses.replace(BASE, predictors=(("activation_matrix", 1.0, 0.0),))  # not this config's predictor
+    assert _total(simulate(trace, cfg, Hardware(other, None), shape)) == pytest.approx(_total(base), rel=1e-12)
+
+
+def _steps(trace):
+    from fate_lab.sim.simulate import trace_steps
+
+    return trace_steps(trace)
+
+
+@pytest.mark.parametrize("row", [("activation_path", -1.0, 0.0), ("activation_path", 1e-3), (1, 1e-3, 0.0)])
+def test_a_predictor_row_that_cannot_hold_is_refused(row):
+    with pytest.raises(ValueError, match="predictors holds"):
+        dataclasses.replace(BASE, predictors=(row,))

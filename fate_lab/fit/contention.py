@@ -1,0 +1,160 @@
+"""What the disk's reader threads and the compute thread cost each other on this machine, each measured on its own.
+
+What this file is: `measure_contention(model, prompt_ids)`, which offloads the model with every expert resident
+and `link="disk"` (at full precision, then packed as `lru_quant` holds them), then times, in short interleaved trials:
+  - one reader thread reading experts with O_DIRECT (`DiskEngine.load_now`: the read, its digest check, the
+    conversion and the copy into a slot) while nothing else runs, and while the model decodes beside it;
+  - the model's decode forwards alone, and beside one and two reader threads that read without a pause.
+A reader rewrites an expert into its own slot (the same bytes), so the model computes exactly as it would.
+The result (`Contention`) gives the simulator (`sim/simulate.py`, a disk link) what no single run shows: a read's
+host work beyond the disk's own latency + bytes / bandwidth, with the compute thread waiting and beside it (a line
+through the full and the packed read: much of it is per read, not per byte), and
+how much slower the compute thread runs with 1, 2, ... readers busy. On the 2-core test machine one busy reader
+made a decode forward 1.8x slower and two 2.6-3.0x (one-off runs); the readers share one interpreter lock.
+What it is not: the disk's latency and bandwidth (`fit/disk.py` measures those with bare reads) or a benchmark
+of any preset (`benchmarks/bench_disk.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+TRIAL_S = 0.6  # seconds per trial
+ROUNDS = 3  # interleaved rounds of every trial; each figure is the median over its rounds (reads: all samples)
+
+
+@dataclass(frozen=True)
+class Contention:
+    """One expert read (the whole read: disk and host work) alone and beside the compute thread, at full precision
+    and packed (`lru_quant`'s INT4 copy, fewer bytes), and the compute thread's slow-down with 1..depth readers busy
+    (`slowdown[i]`: i + 1 readers), of its experts calls and of the rest of its forwards apart: the experts calls'
+    many small Python-driven pieces suffer more (3.0-3.2x with one reader on `tiny_deepseek`, the rest 2.4-2.6x)."""
+
+    read_idle_s: float
+    read_busy_s: float
+    slowdown: tuple[float, ...]  # the experts calls' pieces (experts, bookkeeping, prediction)
+    slowdown_dense: tuple[float, ...]  # the rest of a decode forward (attention, router, norms, head)
+    forward_s: float  # a decode forward alone (what the slow-downs are relative to)
+    nbytes: int  # the bytes of a full-precision read, as the runtime counts them
+    packed_idle_s: float | None = None  # a packed read (None: the model has no packed copy: no group size fits)
+    packed_busy_s: float | None = None
+    packed_nbytes: int = 0
+
+    def host_line(self, latency: float, bandwidth: float, busy: bool) -> tuple[float, float]:
+        """(seconds per read, seconds per byte) of a read's host work beyond the disk's latency + bytes / bandwidth:
+        the line through the full and the packed read (through the full one and 0 without a packed one)."""
+        full = max(0.0, (self.read_busy_s if busy else self.read_idle_s) - latency - self.nbytes / bandwidth)
+        packed = self.packed_busy_s if busy else self.packed_idle_s
+        if packed is None or self.packed_nbytes >= self.nbytes:
+            return 0.0, full / self.nbytes
+        small = max(0.0, packed - latency - self.packed_nbytes / bandwidth)
+        per_byte = max(0.0, (full - small) / (self.nbytes - self.packed_nbytes))
+        return max(0.0, small - per_byte * self.packed_nbytes), per_byte
+
+
+def _decode_loop(model, ids: torch.Tensor, stop: threading.Event, out: list[float]) -> None:
+    """Greedy decode forwards until stop, restarting from the prompt every 32 tokens; each forward's seconds."""
+    with torch.no_grad():
+        while not stop.is_set():
+            o = model(input_ids=ids, use_cache=True)
+            for _ in range(32):
+                if stop.is_set():
+                    return
+                t = time.perf_counter()
+                o = model(input_ids=o.logits[:, -1:].argmax(-1), cache=o.cache, use_cache=True)
+                out.append(time.perf_counter() - t)
+
+
+def _read_loop(engine, pairs, seed: int, stop: threading.Event, out: list[float]) -> None:
+    rng = random.Random(seed)
+    while not stop.is_set():
+        m, e, slot, spec = pairs[rng.randrange(len(pairs))]
+        out.append(engine.load_now(m, e, slot, spec))
+
+
+def _trial(rt, pairs, model, ids, readers: int, compute: bool) -> tuple[list[float], float, float]:
+    """(read seconds, experts-call seconds per decode forward, other seconds per decode forward) of one trial: the
+    first reads of each thread are left out (warm-up); the forwards' split comes from the runtime's own stats."""
+    stop = threading.Event()
+    reads: list[list[float]] = [[] for _ in range(readers)]
+    fwd: list[float] = []
+    threads = [threading.Thread(target=_read_loop, args=(rt.engine, pairs, i, stop, reads[i]), daemon=True)
+               for i in range(readers)]
+    if compute:
+        threads.append(threading.Thread(target=_decode_loop, args=(model, ids, stop, fwd), daemon=True))
+    rt.reset_stats()
+    for t in threads:
+        t.start()
+    time.sleep(TRIAL_S)
+    stop.set()
+    for t in threads:
+        t.join()
+    calls = other = float("nan")
+    dec = rt.stats.forward_s["decode"]
+    if compute and dec:
+        calls = rt.stats.total("decode").compute_s / len(dec)
+        other = sum(dec) / len(dec) - calls
+    return [x for r in reads for x in r[2:]], calls, other
+
+
+def _measure(model, ids, preset: str, kinds: list[tuple[int, bool]]) -> tuple[dict, int]:
+    """Each (readers, compute) trial's results over ROUNDS interleaved rounds, with `preset`'s every expert resident
+    read back into its own slot (the same bytes, at the slot's precision); and the bytes of one read."""
+    from fate_lab.core.config import OffloadConfig
+    from fate_lab.offloading.runtime import offload
+
+    cfg = OffloadConfig.preset(preset, all_resident=True, link="disk", store="ssd", checkpoint=model.name_or_path)
+    samples: dict[tuple[int, bool], list[tuple[list[float], float, float]]] = {}
+    with offload(model, cfg) as rt:
+        pairs = [(m, e, slot, rt.core.spec(m, "cache")) for m, layer in enumerate(rt.cache.layers)
+                 for e, slot in layer.where.items()]
+        if not pairs:
+            raise RuntimeError("no expert is resident after an all-resident offload (a bug)")
+        nbytes = rt.core.shape.nbytes(pairs[0][3])
+        _trial(rt, pairs, model, ids, 1, True)  # warm-up: first forwards allocate, first reads fault in
+        for _ in range(ROUNDS):
+            for k in kinds:
+                samples.setdefault(k, []).append(_trial(rt, pairs, model, ids, *k))
+    return samples, nbytes
+
+
+def _packable(model) -> bool:
+    """Can a quantized preset pack this model's experts (a group size of INT4 divides their projections' last dims,
+    as `fit/calibrate._dequant_s` asks)?"""
+    from fate_lab.model.adapters import adapt
+
+    w = adapt(model).expert(0, 0)
+    return any(w.gate_up.shape[-1] % g == 0 and w.down.shape[-1] % g == 0 for g in (64, 32, 16, 8))
+
+
+def measure_contention(model, prompt_ids: torch.Tensor, depth: int = 2) -> Contention:
+    """Measure `Contention` on this machine for `model` (loaded from its checkpoint folder, which the reads use)
+    with up to `depth` reader threads (the disk link's queue depth). Torch's thread count is the caller's."""
+    if depth < 1:
+        raise ValueError(f"depth={depth!r}: give at least one reader thread")
+    ids = prompt_ids[:, :16]
+    full, nbytes = _measure(model, ids, "lru", [(0, True), (1, False)] + [(r, True) for r in range(1, depth + 1)])
+    med = statistics.median
+
+    def reads(k):
+        return med([x for r in full[k] for x in r[0]])
+
+    def part(k, i):
+        return med([r[i] for r in full[k]])
+
+    calls, other = part((0, True), 1), part((0, True), 2)
+    out = Contention(read_idle_s=reads((1, False)), read_busy_s=reads((1, True)),
+                     slowdown=tuple(max(1.0, part((r, True), 1) / calls) for r in range(1, depth + 1)),
+                     slowdown_dense=tuple(max(1.0, part((r, True), 2) / other) for r in range(1, depth + 1)),
+                     forward_s=calls + other, nbytes=nbytes)
+    if not _packable(model):
+        return out
+    packed, pbytes = _measure(model, ids, "lru_quant", [(1, False), (1, True)])
+    return dataclasses.replace(out, packed_idle_s=med([x for r in packed[1, False] for x in r[0]]),
+                               packed_busy_s=med([x for r in packed[1, True] for x in r[0]]), packed_nbytes=pbytes)

@@ -1,0 +1,133 @@
+"""The simulator's disk model (a profile with `read_host_s`): reads served one at a time at the pace the compute
+thread leaves them, and compute slowed by the readers busy beside it -- each checked against hand-computed times."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fate_lab.hardware.compute import ComputeProfile
+from fate_lab.hardware.links import LinkProfile
+from fate_lab.sim.simulate import ModelShape, SimClock, SimMover
+
+LAT, BW = 1e-3, 1e6  # 1 ms per read, 1 MB/s: a 1000-byte read moves its bytes in 1 ms
+# a read's host work: 0.25 ms per read + 0.25 us per byte with the compute thread waiting (0.5 ms for 1000 bytes),
+# 0.5 ms + 1 us per byte beside it (1.5 ms); so a 1000-byte read takes 2.5 ms alone and 3.5 ms beside compute. One
+# busy reader makes compute 2x slower, two 3x.
+DISK = dict(read_host_s=(0.25e-3, 0.25e-6), read_host_busy_s=(0.5e-3, 1e-6), reader_slowdown=(2.0, 3.0))
+
+
+class _Ctx:
+    def spec(self, m, reason):
+        return None
+
+    def event(self, *a):
+        pass
+
+    def landed(self, *a):
+        pass
+
+    def stall(self, *a):
+        pass
+
+
+class _Shape(ModelShape):
+    def nbytes(self, spec=None) -> int:
+        return 1000 if spec is None else 250
+
+
+def _mover(depth: int = 2, **disk) -> SimMover:
+    shape = _Shape(2, 1, 4, 1, 8, 8, torch.float32, 0, 0)
+    compute = ComputeProfile("disk", 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, **(disk or DISK))
+    return SimMover(_Ctx().spec, _Ctx(), SimClock(), LinkProfile("hand", BW, LAT, queue_depth=depth), compute, shape)
+
+
+def test_reads_waited_on_run_one_at_a_time_at_the_idle_pace():
+    # three misses queued at 0: the first starts beside compute (3.5 ms), the wait at 0 finishes it at the idle pace
+    # (its rest x 2.5 / 3.5: 2.5 ms); each next one starts when the last ends, and is waited on at once: 5, 7.5 ms
+    link = _mover()
+    xs = [link.submit(0, e, e, urgent=True, reason="miss") for e in range(3)]
+    for e, x in enumerate(xs):
+        link.wait(0, e, x)
+    assert [x.end for x in xs] == pytest.approx([2.5e-3, 5e-3, 7.5e-3])
+    assert link.clock.now == pytest.approx(7.5e-3)
+
+
+def test_a_read_beside_compute_takes_its_busy_time_and_slows_the_compute():
+    link = _mover()
+    x = link.submit(0, 0, 0, urgent=False, reason="prefetch")
+    assert x.end == pytest.approx(3.5e-3)  # 1 ms latency + 1 ms bytes + 1.5 ms host work beside compute
+    link.stretch(1e-3)  # one reader busy: 2x, 1 ms of work ends at 2 ms
+    assert link.clock.now == pytest.approx(2e-3)
+    link.stretch(2e-3)  # 2-3.5 ms at 2x does 0.75 ms of it; the rest, 1.25 ms, alone: 4.75 ms
+    assert link.clock.now == pytest.approx(4.75e-3)
+
+
+def test_two_reads_queued_make_two_busy_readers_until_one_is_left():
+    link = _mover()
+    link.submit(0, 0, 0, urgent=False, reason="prefetch")  # runs 0-3.5 ms
+    second = link.submit(0, 1, 1, urgent=False, reason="prefetch")  # queued behind it
+    link.stretch(1e-3)  # two readers busy: 3x, ends at 3 ms
+    assert link.clock.now == pytest.approx(3e-3)
+    # 3-3.5 ms at 3x does 1/6 ms; the second read starts at 3.5 ms (beside compute: ends 7 ms) and is the only one,
+    # so the remaining 5/6 ms of work run at 2x: 3.5 + 5/3 ms
+    link.stretch(1e-3)
+    assert second.start == pytest.approx(3.5e-3) and second.end == pytest.approx(7e-3)
+    assert link.clock.now == pytest.approx(3.5e-3 + 5e-3 / 3)
+    # a depth-1 disk has one reader thread: both reads queued slow compute only 2x
+    one = _mover(depth=1, read_host_s=DISK["read_host_s"], read_host_busy_s=DISK["read_host_busy_s"],
+                 reader_slowdown=(2.0,))
+    one.submit(0, 0, 0, urgent=False, reason="prefetch")
+    one.submit(0, 1, 1, urgent=False, reason="prefetch")
+    one.stretch(1e-3)
+    assert one.clock.now == pytest.approx(2e-3)
+
+
+def test_a_packed_read_pays_the_host_work_per_read_and_per_byte():
+    link = _mover()
+    # a quarter of the bytes (250): 1 ms latency + 0.25 ms bytes + 0.25 ms + 250 x 0.25 us of host work, waiting
+    assert link._read_s(250, idle=True) == pytest.approx(1.5625e-3)
+    assert link._read_s(1000, idle=False) == pytest.approx(3.5e-3)
+
+
+def test_the_host_work_line_goes_through_the_full_and_the_packed_read():
+    from fate_lab.fit.contention import Contention
+
+    # the reads of the hand profile above, as measure_contention would time them: full 2.5 ms alone, 3.5 ms busy;
+    # packed (250 bytes) 1.5625 ms alone, 1 + 0.25 + 0.5 + 0.25 = 2 ms busy
+    c = Contention(2.5e-3, 3.5e-3, (2.0, 3.0), (2.0, 3.0), 0.01, 1000, 1.5625e-3, 2e-3, 250)
+    assert c.host_line(LAT, BW, busy=False) == pytest.approx(DISK["read_host_s"])
+    assert c.host_line(LAT, BW, busy=True) == pytest.approx(DISK["read_host_busy_s"])
+    # no packed copy: all of it per byte, through the full read
+    alone = Contention(2.5e-3, 3.5e-3, (2.0, 3.0), (2.0, 3.0), 0.01, 1000)
+    assert alone.host_line(LAT, BW, busy=False) == pytest.approx((0.0, 0.5e-6))
+
+
+def test_a_dense_layer_takes_its_own_slowdown():
+    link = _mover(**DISK, reader_slowdown_dense=(1.5, 2.5))
+    link.submit(0, 0, 0, urgent=False, reason="prefetch")  # runs 0-3.5 ms: one reader busy
+    link.stretch(1e-3, dense=True)  # 1.5x: 1.5 ms
+    assert link.clock.now == pytest.approx(1.5e-3)
+    link.stretch(1e-3)  # an experts call's piece: 2x, 3.5 ms
+    assert link.clock.now == pytest.approx(3.5e-3)
+
+
+def test_without_readers_busy_compute_runs_at_its_own_pace():
+    link = _mover()
+    link.stretch(4e-3)
+    assert link.clock.now == pytest.approx(4e-3)
+
+
+@pytest.mark.parametrize("bad, match", [(dict(read_host_s=(1e-4, 0.0)), "without reader_slowdown"),
+                                        (dict(read_host_s=(1e-4, 0.0), reader_slowdown=(0.5,)), "reader_slowdown"),
+                                        (dict(read_host_s=(-1.0, 0.0), reader_slowdown=(2.0,)), "read_host_s"),
+                                        (dict(read_host_s=1e-4, reader_slowdown=(2.0,)), "per read, seconds per")])
+def test_a_disk_model_profile_that_cannot_hold_is_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ComputeProfile("bad", 1e-3, 0.0, 1e-4, 0.0, 0.0, 0.0, **bad)
+
+
+def test_measuring_contention_needs_a_reader():
+    from fate_lab.fit.contention import measure_contention
+
+    with pytest.raises(ValueError, match="at least one reader"):
+        measure_contention(None, torch.zeros(1, 4, dtype=torch.long), depth=0)
