@@ -52,6 +52,35 @@ def _resident_figures(st, M: int, L: int, T: int, K: int) -> tuple[float, ...]:
     return dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok
 
 
+SHORT_PREFILL = 16  # tokens of the calibration's short prefill (a quarter of the prompt if that is shorter)
+
+
+def _prefill_figures(st, M: int, L: int, T: int, K: int) -> tuple[float, float, float, float, float]:
+    """(dense seconds per layer, seconds per expert computed, tokens per expert computed, the experts call's own
+    seconds per layer, seconds per prediction) of the one prefill of an all-resident generate of a T-token prompt."""
+    p = st.total("prefill")
+    comp = [ev[4] - ev[3] for ev in st.timeline if ev[0] == "compute"][:p.uses]
+    pred = [ev[4] - ev[3] for ev in st.timeline if ev[0] == "predict"][:M - 1]
+    n = max(1, len(comp))
+    return ((st.forward_s["prefill"][0] - p.compute_s) / L, sum(comp) / n, M * T * K / n,
+            (p.compute_s - sum(comp) - sum(pred)) / M, sum(pred) / max(1, len(pred)))
+
+
+def _prefill_lines(short: list[float], long: list[float], T1: int, T2: int) -> tuple[dict, tuple[float, ...]]:
+    """The prefill pieces' lines through a short (T1 tokens) and a long (T2) prefill's `_prefill_figures`: the
+    profile's prefill intercepts (at 1 token) and the slopes (dense, expert, prediction per additional token)."""
+    def line(y1: float, y2: float, x1: float, x2: float) -> tuple[float, float]:
+        slope = max(0.0, (y2 - y1) / (x2 - x1)) if x2 > x1 else 0.0
+        return max(0.0, y1 - slope * (x1 - 1)), slope
+
+    dense0, dense_tok = line(short[0], long[0], T1, T2)
+    expert0, expert_tok = line(short[1], long[1], short[2], long[2])
+    call0, call_tok = line(short[3], long[3], T1, T2)
+    predict0, predict_tok = line(short[4], long[4], T1, T2)
+    return ({"dense_prefill_s": dense0, "expert_prefill_s": expert0, "call_prefill_s": call0,
+             "call_per_token_s": call_tok, "predict_prefill_s": predict0}, (dense_tok, expert_tok, predict_tok))
+
+
 def link_overshoot(moves: list[tuple[float, float]], nbytes: int, link: LinkProfile,
                    among: list[int] | None = None) -> float:
     """Seconds per transfer of nbytes beyond what the simulator's link (`sim.simulate.SimMover`) charges it, from the
@@ -118,15 +147,15 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
                       layer_compute_s: float | None = None, link_profile: LinkProfile | None = None) -> ComputeProfile:
     """A `ComputeProfile` measured from the runtime itself: every expert resident, instant link, timeline on.
 
-    Decode figures are medians over the decode steps; prefill's per-token slopes come from the prompt.
+    Decode figures are medians over the decode steps. A prefill runs other code (rows gathered per expert, masks, the
+    KV cache begun), so its pieces get lines of their own, through the prompt's prefill and a short one of its first
+    `SHORT_PREFILL` tokens (each a median over `RESIDENT_RUNS`).
     With `link` (an emulated link name), a second run loads experts on demand over it and measures what
     the link's copies cost the compute thread on a CPU (`expert_cold_s`, `landed_s`, `busy_factor`,
     `transfer_host_s`); the resident figures (medians over `RESIDENT_RUNS` generates) stay those of the first
     run, so a run that moves nothing (all experts resident) is predicted at the resident speed. `link_profile`: the
     link the simulator will be given (default: the runtime's), against which each transfer's overshoot is measured.
-    Give a prompt as long as the prefills to be
-    predicted: the per-token slopes are linear fits, and a 10-token prompt (about one token per expert)
-    overstates a long prefill's expert time.
+    Give a prompt as long as the longest prefills to be predicted: the lines are fits between the two lengths.
     """
     from fate_lab.model.adapters import adapt
     from fate_lab.offloading.runtime import offload
@@ -138,16 +167,29 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
         packed = rt.core.spec(0, "cache") is not None  # every resident slot packed: its computes dequantized
         model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)  # warm-up
         M, L, T = rt.adapter.num_moe_layers, len(getattr(model, "model", model).layers), prompt_ids.shape[1]
+        T1 = max(2, min(SHORT_PREFILL, T // 4))  # the short prefill, where a line through two lengths is wanted
+        longs, shorts = [], []
         for _ in range(RESIDENT_RUNS):  # each figure is the median over these runs: a busy spell hits one
             rt.reset_stats()
             model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
             runs.append(_resident_figures(rt.stats, M, L, T, rt.top_k))
+            longs.append(_prefill_figures(rt.stats, M, L, T, rt.top_k))
+            if T1 < T:
+                rt.reset_stats()
+                model.generate(prompt_ids[:, :T1], max_new_tokens=1, min_new_tokens=1, do_sample=False)
+                shorts.append(_prefill_figures(rt.stats, M, L, T1, rt.top_k))
     dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok = (
         med([r[i] for r in runs]) for i in range(7))
+    prefill = {}
+    if shorts:  # the prefill pieces' lines through the two lengths, in place of the lines through the decode figures
+        prefill, (dense_tok, expert_tok, predict_tok) = _prefill_lines(
+            [med([r[i] for r in shorts]) for i in range(5)], [med([r[i] for r in longs]) for i in range(5)], T1, T)
     predictors = tuple((pred, *_predictor_figures(model, prompt_ids, preset, new_tokens, quant))
                        for pred, preset in PREDICTORS_APART.items())
     if packed:  # the measured expert time holds the dequantize, which the simulator charges apart (dequant_s)
         expert_s = max(0.0, expert_s - dequant)
+        if "expert_prefill_s" in prefill:
+            prefill["expert_prefill_s"] = max(0.0, prefill["expert_prefill_s"] - dequant)
     cold = landed = extra = wake = queued = 0.0
     demand_extra = None
     busy = 1.0
@@ -215,7 +257,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
         extra, demand_extra, busy, landed = 0.0, None, 1.0, 0.0  # what the disk model replaces
     return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok,
                           expert_cold_s=cold, landed_s=landed, link_extra_s=max(0.0, extra), wake_s=wake,
-                          demand_extra_s=demand_extra, **disk, predictors=predictors,
+                          demand_extra_s=demand_extra, **disk, **prefill, predictors=predictors,
                           busy_factor=busy, transfer_host_s=queued, dequant_s=dequant,
                           source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime (all resident, "
                           f"instant link, {new_tokens} tokens, quant={quant}"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+_OPTIONAL = ("demand_extra_s", "dense_prefill_s", "expert_prefill_s", "call_prefill_s", "predict_prefill_s")
+
 
 @dataclass(frozen=True)
 class ComputeProfile:
@@ -52,14 +54,21 @@ class ComputeProfile:
     reader_slowdown: tuple[float, ...] = ()  # the compute thread's slow-down with 1, 2, ... reader threads busy: of
     # the experts calls' pieces (experts, bookkeeping, prediction, dequantize)
     reader_slowdown_dense: tuple[float, ...] = ()  # ... of the dense layers (empty: reader_slowdown's)
+    # a multi-token step (a prefill) runs other code than a decode step (rows gathered per expert, masks, the
+    # KV cache begun): its pieces' times at 1 token, the intercepts of lines fitted through two prefill lengths
+    # (None: the decode figure, the line through it and one prefill)
+    dense_prefill_s: float | None = None
+    expert_prefill_s: float | None = None
+    call_prefill_s: float | None = None
+    call_per_token_s: float = 0.0  # the experts call's bookkeeping per additional token of a prefill step
+    predict_prefill_s: float | None = None
     predictors: tuple[tuple[str, float, float], ...] = ()  # (predictor, predict_s, predict_per_token_s) of predictors
     # whose host work differs from the cross-layer gate's (predict_s above), each measured on its own
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.name in ("name", "source", "reader_slowdown", "read_host_s", "read_host_busy_s", "predictors",
-                          "reader_slowdown_dense") or (
-                    f.name == "demand_extra_s" and self.demand_extra_s is None):
+                          "reader_slowdown_dense") or (f.name in _OPTIONAL and getattr(self, f.name) is None):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -118,18 +127,26 @@ class ComputeProfile:
 
     def dense(self, T: int) -> float:
         """One layer's dense compute for T tokens."""
-        return self.dense_s + self.dense_per_token_s * (T - 1)
+        return self._at(T, self.dense_s, self.dense_prefill_s) + self.dense_per_token_s * (T - 1)
 
-    def expert(self, n: int) -> float:
-        """One expert's compute on n tokens."""
-        return self.expert_s + self.expert_per_token_s * (n - 1)
+    def expert(self, n: int, T: int = 1) -> float:
+        """One expert's compute on n tokens, in a step of T tokens (T > 1: a prefill's code)."""
+        return self._at(T, self.expert_s, self.expert_prefill_s) + self.expert_per_token_s * (n - 1)
+
+    def call(self, T: int) -> float:
+        """The experts call's own bookkeeping in a step of T tokens."""
+        return self._at(T, self.call_s, self.call_prefill_s) + self.call_per_token_s * (T - 1)
+
+    @staticmethod
+    def _at(T: int, decode: float, prefill: float | None) -> float:
+        return prefill if T > 1 and prefill is not None else decode
 
     def predict(self, T: int, predictor: str | None = None) -> float:
         """One host-side prediction for T tokens (by `predictor` where it was measured apart, else the gate's)."""
         for name, s, per_token in self.predictors:
             if name == predictor:
                 return s + per_token * (T - 1)
-        return self.predict_s + self.predict_per_token_s * (T - 1)
+        return self._at(T, self.predict_s, self.predict_prefill_s) + self.predict_per_token_s * (T - 1)
 
     def decode_layer_s(self, top_k: int) -> float:
         """One MoE decoder layer of a decode token with top_k experts computed: the clock a scaled link keeps."""

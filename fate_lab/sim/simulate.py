@@ -226,11 +226,11 @@ class SimMover:
 
 
 class _SimCompute:
-    """The simulator's `policy.step.ComputeTarget` for one call of MoE layer m (n: tokens per expert): each
-    expert's compute time on the clock, where the layer step's dispatch sends it."""
+    """The simulator's `policy.step.ComputeTarget` for one call of MoE layer m (n: tokens per expert, T: tokens in
+    the step): each expert's compute time on the clock, where the layer step's dispatch sends it."""
 
-    def __init__(self, sim: "Simulator", m: int, n: Counter):
-        self.sim, self.m, self.n = sim, m, n
+    def __init__(self, sim: "Simulator", m: int, n: Counter, T: int = 1):
+        self.sim, self.m, self.n, self.T = sim, m, n, T
 
     def on_device(self, e: int, slot: int) -> None:
         sim, comp, clock = self.sim, self.sim.hw.compute, self.sim.clock
@@ -238,7 +238,7 @@ class _SimCompute:
         cold = comp.expert_cold_s if (self.m, e) in sim.mover.fresh else 0.0
         if sim.mover.slot_spec.get(slot) is not None:  # a packed slot: dequantized first, at every use
             sim.compute(comp.dequant_s)
-        sim.compute(comp.expert(self.n[e]))
+        sim.compute(comp.expert(self.n[e], self.T))
         clock.now += cold
         sim.mover.fresh.discard((self.m, e))
         sim.core.recorder.event("compute", self.m, e, c0, clock.now)
@@ -254,7 +254,7 @@ class _SimCompute:
     def from_standin(self, e: int) -> None:  # the INT2 copy (the dequantize is not modelled: OUR simplification)
         sim, clock = self.sim, self.sim.clock
         c0 = clock.now
-        sim.compute(sim.hw.compute.expert(self.n[e]))
+        sim.compute(sim.hw.compute.expert(self.n[e], self.T))
         sim.core.recorder.event("compute_lowp", self.m, e, c0, clock.now)
 
 
@@ -308,7 +308,7 @@ class Simulator:
         for m in range(M):
             self._dense(T)
             t_call = clock.now
-            self.compute(comp.call_s)
+            self.compute(comp.call(T))
             idx = experts[:, m]  # (T, K)
             counts = Counter(idx.reshape(-1).tolist())
 
@@ -319,7 +319,7 @@ class Simulator:
                 rec.event("predict", m, -1, p0, clock.now)
                 return out
 
-            core.run_layer(LayerCall(m, idx, _SimCompute(self, m, counts),
+            core.run_layer(LayerCall(m, idx, _SimCompute(self, m, counts, T),
                                      gate_input=None if gate_inputs is None else gate_inputs[:, m],
                                      weights=None if weights is None else weights[:, m], timed=timed))
             rec.stats.layers[m][rec.phase].compute_s += clock.now - t_call

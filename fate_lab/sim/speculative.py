@@ -249,7 +249,7 @@ def pick_window(union: list[float], shape: ModelShape, hardware: Hardware, accep
         U = union[T]
         link_s = M * U * (1 - hit_rate) * t_x
         compute_s = (shape.num_layers - M) * comp.dense(T) + M * (
-            comp.dense(T) + comp.call_s + U * comp.expert(max(1, round(T * K / U))) + comp.predict(T))
+            comp.dense(T) + comp.call(T) + U * comp.expert(max(1, round(T * K / U)), T) + comp.predict(T))
         draft_s = w * draft_token_s
         tokens = 1 + expected_accepted(acceptance, w)
         step_s = max(link_s, compute_s) + draft_s

@@ -150,3 +150,40 @@ def _steps(trace):
 def test_a_predictor_row_that_cannot_hold_is_refused(row):
     with pytest.raises(ValueError, match="predictors holds"):
         dataclasses.replace(BASE, predictors=(row,))
+
+
+def test_a_prefill_step_charges_the_prefill_intercepts_and_a_decode_step_does_not(setup):
+    trace, shape = setup  # all resident on an instant link: every piece's time just adds up
+    cfg = OffloadConfig.preset("all_resident")
+    d = 1e-3
+    own = dataclasses.replace(BASE, dense_prefill_s=BASE.dense_s + d, call_prefill_s=BASE.call_s + 2 * d,
+                              call_per_token_s=1e-5)
+    base = simulate(trace, cfg, Hardware(BASE, None), shape)
+    charged = simulate(trace, cfg, Hardware(own, None), shape)
+    assert charged.forward_s["decode"] == pytest.approx(base.forward_s["decode"], rel=1e-12)
+    M, L = shape.num_moe_layers, shape.num_layers
+    for T, b, c in zip([b - a for a, b in _steps(trace) if b - a > 1], base.forward_s["prefill"],
+                       charged.forward_s["prefill"], strict=True):
+        assert c - b == pytest.approx(L * d + M * (2 * d + 1e-5 * (T - 1)), rel=1e-9)
+
+
+def test_the_prefill_lines_go_through_a_short_and_a_long_prefill_by_hand():
+    from fate_lab.fit.calibrate import _prefill_lines
+
+    # per layer: dense 1 ms at 16 tokens, 2.12 ms at 128 (0.01 ms per token: 0.85 ms at 1 token); an expert 0.08 ms
+    # at 2 tokens each, 0.18 ms at 12 (0.01 per token: 0.07 ms at 1); the call's own 0.2 and 0.312 ms (0.001 per
+    # token: 0.185 ms); a prediction 0.5 and 1.62 ms (0.01 per token: 0.35 ms)
+    short, long = [1e-3, 0.08e-3, 2.0, 0.2e-3, 0.5e-3], [2.12e-3, 0.18e-3, 12.0, 0.312e-3, 1.62e-3]
+    prefill, slopes = _prefill_lines(short, long, 16, 128)
+    assert prefill == pytest.approx({"dense_prefill_s": 0.85e-3, "expert_prefill_s": 0.07e-3,
+                                     "call_prefill_s": 0.185e-3, "call_per_token_s": 1e-6,
+                                     "predict_prefill_s": 0.35e-3})
+    assert slopes == pytest.approx((1e-5, 1e-5, 1e-5))
+    profile = dataclasses.replace(BASE, **prefill, dense_per_token_s=slopes[0], expert_per_token_s=slopes[1],
+                                  predict_per_token_s=slopes[2])
+    assert profile.dense(16) == pytest.approx(1e-3) and profile.dense(128) == pytest.approx(2.12e-3)
+    assert profile.expert(12, T=128) == pytest.approx(0.18e-3) and profile.call(128) == pytest.approx(0.312e-3)
+    assert profile.expert(1) == BASE.expert_s and profile.dense(1) == BASE.dense_s  # a decode step: its own figures
+    # a piece that shrinks with length is held flat, never negative
+    flat, _ = _prefill_lines([1e-3, 0.1e-3, 2.0, 0.2e-3, 0.5e-3], [0.5e-3, 0.1e-3, 12.0, 0.1e-3, 0.5e-3], 16, 128)
+    assert flat["dense_prefill_s"] == pytest.approx(1e-3) and flat["call_per_token_s"] == 0.0
