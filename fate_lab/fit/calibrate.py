@@ -19,6 +19,7 @@ from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.links import LinkProfile
 
 RESIDENT_RUNS = 3  # measured all-resident generates
+PREDICTOR_RUNS = 1  # generates per predictor measured apart (a median over its many prediction events)
 
 
 def med(xs: list[float]) -> float:
@@ -114,14 +115,14 @@ PREDICTORS_APART = {"activation_path": "activation_path", "activation_matrix": "
 def _predictor_figures(model, prompt_ids: torch.Tensor, preset: str, new_tokens: int,
                        quant: str | None) -> tuple[float, float]:
     """(predict_s, predict_per_token_s) of `preset`'s predictor, read off its prediction events as the gate's are
-    (`_resident_figures`), medians over RESIDENT_RUNS generates."""
+    (`_resident_figures`) in one generate (its decode figure a median over every layer of every decode step)."""
     from fate_lab.offloading.runtime import offload
 
     runs = []
     with offload(model, OffloadConfig.preset(preset, all_resident=True, link="instant", quant=quant)) as rt:
-        model.generate(prompt_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
+        model.generate(prompt_ids[:, :8], max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
         M, L, T = rt.adapter.num_moe_layers, len(getattr(model, "model", model).layers), prompt_ids.shape[1]
-        for _ in range(RESIDENT_RUNS):
+        for _ in range(PREDICTOR_RUNS):
             rt.reset_stats()
             model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
             runs.append(_resident_figures(rt.stats, M, L, T, rt.top_k)[5:])

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-TRIAL_S = 0.6  # seconds per trial
-ROUNDS = 3  # interleaved rounds of every trial; each figure is the median over its rounds (reads: all samples)
+TRIAL_S = 0.5  # seconds per trial
+ROUNDS = 2  # interleaved rounds of every trial; each figure is the median over its rounds (reads: all samples)
 
 
 @dataclass(frozen=True)
