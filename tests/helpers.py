@@ -91,3 +91,19 @@ class ScriptedMover:
     def kinds(self) -> list[str]:
         """'demand' / 'prefetch' of every submission, in order."""
         return ["demand" if s[3] else "prefetch" for s in self.submitted]
+
+
+class SilentRecorder:
+    """What `SimMover` asks of the driver core (its precision rule, a recorder), doing nothing: a link timed alone."""
+
+    def spec(self, m, reason):
+        return None
+
+    def event(self, *a):
+        pass
+
+    def landed(self, *a):
+        pass
+
+    def stall(self, *a):
+        pass

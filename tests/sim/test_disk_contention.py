@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import SilentRecorder
 
 from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.links import LinkProfile
@@ -16,20 +17,6 @@ LAT, BW = 1e-3, 1e6  # 1 ms per read, 1 MB/s: a 1000-byte read moves its bytes i
 DISK = dict(read_host_s=(0.25e-3, 0.25e-6), read_host_busy_s=(0.5e-3, 1e-6), reader_slowdown=(2.0, 3.0))
 
 
-class _Ctx:
-    def spec(self, m, reason):
-        return None
-
-    def event(self, *a):
-        pass
-
-    def landed(self, *a):
-        pass
-
-    def stall(self, *a):
-        pass
-
-
 class _Shape(ModelShape):
     def nbytes(self, spec=None) -> int:
         return 1000 if spec is None else 250
@@ -38,7 +25,8 @@ class _Shape(ModelShape):
 def _mover(depth: int = 2, **disk) -> SimMover:
     shape = _Shape(2, 1, 4, 1, 8, 8, torch.float32, 0, 0)
     compute = ComputeProfile("disk", 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, **(disk or DISK))
-    return SimMover(_Ctx().spec, _Ctx(), SimClock(), LinkProfile("hand", BW, LAT, queue_depth=depth), compute, shape)
+    return SimMover(SilentRecorder().spec, SilentRecorder(),
+                    SimClock(), LinkProfile("hand", BW, LAT, queue_depth=depth), compute, shape)
 
 
 def test_reads_waited_on_run_one_at_a_time_at_the_idle_pace():

@@ -3,26 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import SilentRecorder
 
 from fate_lab.hardware.compute import ComputeProfile
 from fate_lab.hardware.links import LinkProfile
 from fate_lab.sim.simulate import ModelShape, SimClock, SimMover
 
 LAT, BW = 1e-3, 1e6  # 1 ms per read, 1 MB/s: a 1000-byte read moves its bytes in 1 ms
-
-
-class _Ctx:
-    def spec(self, m, reason):
-        return None
-
-    def event(self, *a):
-        pass
-
-    def landed(self, *a):
-        pass
-
-    def stall(self, *a):
-        pass
 
 
 class _Shape(ModelShape):
@@ -33,8 +20,8 @@ class _Shape(ModelShape):
 def _ends(depth: int, n: int, urgent: bool = True, **extra) -> list[float]:
     shape = _Shape(2, 1, 4, 1, 8, 8, torch.float32, 0, 0)
     compute = ComputeProfile("link only", 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, **extra)
-    link = SimMover(_Ctx().spec, _Ctx(), SimClock(), LinkProfile("hand", BW, LAT, queue_depth=depth), compute,
-                   shape)
+    profile = LinkProfile("hand", BW, LAT, queue_depth=depth)
+    link = SimMover(SilentRecorder().spec, SilentRecorder(), SimClock(), profile, compute, shape)
     xs = [link.submit(0, e, e, urgent=urgent, reason="miss" if urgent else "prefetch") for e in range(n)]
     for e, x in enumerate(xs):
         link.wait(0, e, x)
@@ -98,7 +85,7 @@ def test_the_link_overshoot_inverts_the_simulated_link(depth):
     shape = _Shape(2, 1, 4, 1, 8, 8, torch.float32, 0, 0)
     compute = ComputeProfile("link only", 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, link_extra_s=0.7e-3, demand_extra_s=0.2e-3)
     profile = LinkProfile("hand", BW, LAT, queue_depth=depth)
-    link = SimMover(_Ctx().spec, _Ctx(), SimClock(), profile, compute, shape)
+    link = SimMover(SilentRecorder().spec, SilentRecorder(), SimClock(), profile, compute, shape)
     urgent = [False, True, False, False, True, False, True]
     xs = [link.submit(0, e, e, urgent=u, reason="miss" if u else "prefetch") for e, u in enumerate(urgent)]
     for e, x in enumerate(xs):
