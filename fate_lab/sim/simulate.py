@@ -246,7 +246,7 @@ class _SimCompute:
     def on_host(self, e: int) -> None:  # the host CPU: its profile's time (+ the emulated hold's sleep overshoot)
         sim, comp, clock = self.sim, self.sim.hw.compute, self.sim.clock
         c0 = clock.now
-        sim.compute(sim.core.host_time(self.n[e]))
+        sim.mover.stretch(sim.core.host_time(self.n[e]))  # never slowed by busy_factor (the disk refuses host compute)
         clock.now += comp.link_extra_s
         sim.core.recorder.host(self.m, e, c0, clock.now)
         sim.mover.evicting += comp.landed_s  # its weights streamed through the dense layers' caches

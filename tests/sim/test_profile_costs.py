@@ -187,3 +187,16 @@ def test_the_prefill_lines_go_through_a_short_and_a_long_prefill_by_hand():
     # a piece that shrinks with length is held flat, never negative
     flat, _ = _prefill_lines([1e-3, 0.1e-3, 2.0, 0.2e-3, 0.5e-3], [0.5e-3, 0.1e-3, 12.0, 0.1e-3, 0.5e-3], 16, 128)
     assert flat["dense_prefill_s"] == pytest.approx(1e-3) and flat["call_per_token_s"] == 0.0
+
+
+def test_a_busy_link_never_slows_a_host_computed_expert(setup):
+    trace, shape = setup  # host compute beside a copying link: busy_factor is the device's slow-down, not the host's
+    cfg = OffloadConfig.preset("host_compute", slots=shape.num_moe_layers * shape.num_experts // 4)
+    link = _slow_link(shape)
+    base = simulate(trace, cfg, Hardware(BASE, link), shape)
+    busy = simulate(trace, cfg, Hardware(dataclasses.replace(BASE, busy_factor=4.0), link), shape)
+    # the cost-based placement may send other experts to the host once the device is slower; a decode step's host
+    # computation serves one token, so each takes the host's own time for one token either way
+    per = [sum(layer["decode"].host_s for layer in s.layers) / sum(layer["decode"].host for layer in s.layers)
+           for s in (base, busy)]
+    assert per[0] > 0 and per[1] == pytest.approx(per[0], rel=1e-9)
