@@ -64,6 +64,7 @@ class TrainConfig:
     minutes: float | None = None  # stop early when the wall-clock budget is spent
     eval_every: int = 250
     eval_batches: int = 16
+    final_eval_tokens: int | None = None  # the final held-out numbers' tokens (None: the whole split)
     seed: int = 0
     bf16: bool = True  # bf16 autocast on CPU
 
@@ -79,12 +80,13 @@ class TrainConfig:
             "smoke": TrainConfig(
                 vocab_size=512, hidden_size=64, num_layers=4, num_experts=8, top_k=2,
                 moe_intermediate_size=32, shared_expert_intermediate_size=64, seq_len=64,
-                batch_size=4, warmup_steps=2, steps=20, eval_every=10, eval_batches=2,
+                batch_size=4, warmup_steps=2, steps=20, eval_every=10, eval_batches=2, final_eval_tokens=4096,
             ),
             "smoke_deepseek": TrainConfig(
                 architecture="deepseek_v2", vocab_size=512, hidden_size=64, num_layers=3, num_experts=8, top_k=3,
                 moe_intermediate_size=16, num_shared_experts=2, first_dense_layers=1, dense_intermediate_size=64,
                 kv_lora_rank=32, seq_len=64, batch_size=4, warmup_steps=2, steps=20, eval_every=10, eval_batches=2,
+                final_eval_tokens=4096,
             ),
         }
         if name not in presets:
@@ -222,13 +224,14 @@ def evaluate(model, stream: torch.Tensor, cfg: TrainConfig, windows: int | None 
 
 @torch.no_grad()
 def expert_load(model, stream: torch.Tensor, tokens: int | None = None, seq_len: int = 256) -> list[list[float]]:
-    """Share of routed assignments each expert receives, per MoE layer, on the first ``tokens`` tokens
-    of ``stream`` (None: all of it; the held-out split interleaves no sources, so a prefix would
-    measure one source only)."""
+    """Share of routed assignments each expert receives, per MoE layer, over ``tokens`` tokens of ``stream``
+    (None: all of it) in windows spread evenly over it (the held-out split interleaves no sources, so a
+    prefix would measure one source only)."""
     model.eval()
     counts = None
-    n = (stream.numel() - 1) // seq_len if tokens is None else min(tokens // seq_len, (stream.numel() - 1) // seq_len)
-    for i in range(n):
+    total = (stream.numel() - 1) // seq_len
+    n = total if tokens is None else min(tokens // seq_len, total)
+    for i in torch.linspace(0, total - 1, n).round().long().tolist():
         x = stream[i * seq_len : (i + 1) * seq_len][None]
         out = model(input_ids=x, output_router_logits=True)
         k = model.config.num_experts_per_tok
@@ -318,9 +321,10 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
         model.load_state_dict(best[2])
     best_step = best[1] if best is not None else steps_done
 
-    train_ce = evaluate(model, train_ids, cfg, windows=len(val_ids) // cfg.seq_len)  # as many tokens as held-out
-    val_ce = evaluate(model, val_ids, cfg, windows=None)
-    load = expert_load(model, val_ids, seq_len=cfg.seq_len)
+    windows = None if cfg.final_eval_tokens is None else cfg.final_eval_tokens // cfg.seq_len  # spread over the split
+    train_ce = evaluate(model, train_ids, cfg, windows=(windows or len(val_ids) // cfg.seq_len))  # as many as held-out
+    val_ce = evaluate(model, val_ids, cfg, windows=windows)
+    load = expert_load(model, val_ids, tokens=None if windows is None else windows * cfg.seq_len, seq_len=cfg.seq_len)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
@@ -338,6 +342,7 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
         "train_config": asdict(cfg),
         "corpus": str(corpus_file.name),
         "train_tokens": train_ids.numel(), "val_tokens": val_ids.numel(),
+        "final_eval_tokens": (windows or len(val_ids) // cfg.seq_len) * cfg.seq_len,
         "steps": steps_done, "best_step": best_step, "tokens_seen": steps_done * cfg.batch_size * cfg.seq_len,
         "wall_minutes": round(wall / 60, 1),
         "machine": f"{platform.machine()}, {_threads()}, torch {torch.__version__}",
@@ -353,6 +358,8 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
 
 def _write_model_card(out_dir: Path, card: dict) -> None:
     c = card["train_config"]
+    n = card.get("final_eval_tokens")
+    part = f", over {n:,} tokens spread over the split" if n and n < card["val_tokens"] - c["seq_len"] else ""
     if c.get("architecture", "qwen2_moe") == "deepseek_v2":
         title, cmd = "fate_lab tiny DeepSeek-V2-shaped MoE", "python -m fate_lab train --preset tiny_deepseek"
         shape = (f"{c['num_layers']} layers (the first {c['first_dense_layers']} dense, MLP width "
@@ -378,9 +385,10 @@ def _write_model_card(out_dir: Path, card: dict) -> None:
         f"{card['wall_minutes']} min on {card['machine']}, bf16 autocast, seed {c['seed']}; the weights are those "
         f"of step {card.get('best_step', card['steps'])}, the best held-out loss.",
         f"- Loss: train {card['train_loss']} (ppl {card['train_perplexity']}), "
-        f"held-out {card['val_loss']} (ppl {card['val_perplexity']}).",
+        f"held-out {card['val_loss']} (ppl {card['val_perplexity']}){part}.",
         f"- Balancing: per-layer Switch loss x {c['balance_coef']}, router z-loss x {c['z_loss_coef']}.", "",
-        "## Expert load per MoE layer (whole held-out split, share of top-k assignments)", "",
+        f"## Expert load per MoE layer ({'part of the' if part else 'whole'} held-out split, share of top-k "
+        "assignments)", "",
         "| layer | cold experts (< 1/4 of uniform) | quietest expert vs uniform | busiest expert vs uniform |",
         "|---|---|---|---|",
     ]

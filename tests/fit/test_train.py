@@ -37,6 +37,7 @@ def test_a_few_steps_lower_the_loss_and_output_loads(tmp_path):
     assert card["train_loss"] < card["first_step_loss"] - 0.2
     assert math.isfinite(card["val_perplexity"])
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "MODEL_CARD.md").exists()
+    assert card["final_eval_tokens"] == 4096 and "over 4,096 tokens" in (tmp_path / "MODEL_CARD.md").read_text()
     model, tok = load_model(tmp_path)
     ids = tok("The word of the day", return_tensors="pt")["input_ids"]
     assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tok))
