@@ -34,19 +34,12 @@ from fate_lab.offloading.runtime import offload
 from fate_lab.sim.simulate import simulate
 from fate_lab.study.whatif import checkpoint_expert_bytes, machine_hardware
 
+from .bench_sim_vs_runtime import greedy  # one loop for both benchmarks
 from .report import emit
 
 PRESETS = ["load_on_demand", "lru", "mixtral_offloading", "activation_path", "eap", "fate_v1", "fate", "lru_quant",
            "fate_quant"]  # the quantized ones read their packed copies from a file written once
 FAST_PRESETS = ["load_on_demand", "lru", "fate"]
-
-
-@torch.no_grad()
-def greedy(model, prompt: list[int], new_tokens: int) -> None:
-    """Prefill + new_tokens - 1 greedy decode forwards (what record_trace records)."""
-    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
-    for _ in range(new_tokens - 1):
-        out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=out.cache, use_cache=True)
 
 
 def run_runtime(model, prompts, cfg, new_tokens, disk_bytes: float, bandwidth: float) -> dict:

@@ -112,21 +112,58 @@ def link_overshoot(moves: list[tuple[float, float]], nbytes: int, link: LinkProf
 PREDICTORS_APART = {"activation_path": "activation_path", "activation_matrix": "eap"}
 
 
-def _predictor_figures(model, prompt_ids: torch.Tensor, preset: str, new_tokens: int,
-                       quant: str | None) -> tuple[float, float]:
-    """(predict_s, predict_per_token_s) of `preset`'s predictor, read off its prediction events as the gate's are
-    (`_resident_figures`) in one generate (its decode figure a median over every layer of every decode step)."""
+def _call_rest(st, skip: int = 0) -> tuple[float, int]:
+    """(seconds of the experts calls that no expert's compute took, prediction events) of a run's stats; `skip`:
+    leave out the first `skip` compute events (a prefill's, for a decode figure)."""
+    comp = [ev[4] - ev[3] for ev in st.timeline if ev[0] == "compute"]
+    return sum(comp[skip:]), sum(1 for ev in st.timeline if ev[0] == "predict")
+
+
+def _per_prediction(rest: float, preds: int, M: int, call_s: float, steps: int = 1) -> float:
+    """Seconds per prediction of a predictor whose `steps` forwards of M MoE layers spent `rest` seconds in their
+    experts calls beyond their experts' compute, with `preds` prediction events, when the gate preset's bookkeeping
+    is `call_s` per layer: the inverse of the simulator's charge (M x call_s per forward, one prediction per event)."""
+    return max(0.0, (rest - steps * M * call_s) / preds) if preds else 0.0
+
+
+def _predictor_figures(model, prompt_ids: torch.Tensor, preset: str, new_tokens: int, quant: str | None,
+                       call, T1: int) -> tuple[float, float, float | None]:
+    """(predict_s, predict_per_token_s, predict_prefill_s) of `preset`'s predictor: all the host work it adds to
+    the experts calls beyond the gate preset's bookkeeping (`call(T)`, seconds per layer), per prediction. That is
+    its calls' time less their experts' compute, less M x call(T), over its prediction events: the inverse of what
+    the simulator charges (M calls and one prediction per event). Read off a generate (decode, per step) and two
+    prefill-only generates of T and T1 tokens (the prefill line), so work outside the prediction events (the
+    activation matrix's bookkeeping per call) is counted too."""
     from fate_lab.offloading.runtime import offload
 
     runs = []
     with offload(model, OffloadConfig.preset(preset, all_resident=True, link="instant", quant=quant)) as rt:
         model.generate(prompt_ids[:, :8], max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
-        M, L, T = rt.adapter.num_moe_layers, len(getattr(model, "model", model).layers), prompt_ids.shape[1]
+        M, T = rt.adapter.num_moe_layers, prompt_ids.shape[1]
+
+        def prefill(n: int) -> tuple[float, int, int]:
+            rt.reset_stats()
+            model.generate(prompt_ids[:, :n], max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            p = rt.stats.total("prefill")
+            comp, preds = _call_rest(rt.stats)
+            return p.compute_s - comp, preds, p.uses
+
+        def per_prediction(rest: float, preds: int, T: int, steps: int = 1) -> float:
+            return _per_prediction(rest, preds, M, call(T), steps)
+
         for _ in range(PREDICTOR_RUNS):
+            long_rest, long_preds, uses = prefill(T)
+            short = per_prediction(*prefill(T1)[:2], T1) if T1 < T else None
             rt.reset_stats()
             model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            runs.append(_resident_figures(rt.stats, M, L, T, rt.top_k)[5:])
-    return med([r[0] for r in runs]), med([r[1] for r in runs])
+            d, steps = rt.stats.total("decode"), len(rt.stats.forward_s["decode"])
+            comp, preds = _call_rest(rt.stats, skip=uses)
+            decode = per_prediction(d.compute_s - comp, preds - long_preds, 1, steps)
+            long = per_prediction(long_rest, long_preds, T)
+            slope = max(0.0, (long - short) / (T - T1)) if short is not None else max(0.0, (long - decode) / (T - 1))
+            runs.append((decode, slope, None if short is None else max(0.0, short - slope * (T1 - 1))))
+    prefill_s = [r[2] for r in runs if r[2] is not None]
+    return med([r[0] for r in runs]), med([r[1] for r in runs]), med(prefill_s) if prefill_s else None
 
 
 def _dequant_s(w) -> float:
@@ -185,7 +222,12 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     if shorts:  # the prefill pieces' lines through the two lengths, in place of the lines through the decode figures
         prefill, (dense_tok, expert_tok, predict_tok) = _prefill_lines(
             [med([r[i] for r in shorts]) for i in range(5)], [med([r[i] for r in longs]) for i in range(5)], T1, T)
-    predictors = tuple((pred, *_predictor_figures(model, prompt_ids, preset, new_tokens, quant))
+    def gate_call(n: int) -> float:  # the gate preset's bookkeeping per layer in a step of n tokens
+        if n == 1:
+            return call_s
+        return prefill.get("call_prefill_s", call_s) + prefill.get("call_per_token_s", 0.0) * (n - 1)
+
+    predictors = tuple((pred, *_predictor_figures(model, prompt_ids, preset, new_tokens, quant, gate_call, T1))
                        for pred, preset in PREDICTORS_APART.items())
     if packed:  # the measured expert time holds the dequantize, which the simulator charges apart (dequant_s)
         expert_s = max(0.0, expert_s - dequant)

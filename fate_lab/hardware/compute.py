@@ -62,8 +62,9 @@ class ComputeProfile:
     call_prefill_s: float | None = None
     call_per_token_s: float = 0.0  # the experts call's bookkeeping per additional token of a prefill step
     predict_prefill_s: float | None = None
-    predictors: tuple[tuple[str, float, float], ...] = ()  # (predictor, predict_s, predict_per_token_s) of predictors
-    # whose host work differs from the cross-layer gate's (predict_s above), each measured on its own
+    predictors: tuple[tuple, ...] = ()  # (predictor, predict_s, predict_per_token_s[, predict_prefill_s]) of predictors
+    # whose host work differs from the cross-layer gate's (predict_s above), each measured on its own: all of the
+    # work the predictor adds to an experts call beyond the gate preset's bookkeeping, per prediction
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -91,11 +92,12 @@ class ComputeProfile:
                 raise ValueError(f"ComputeProfile {self.name!r}: {name}={v!r}; give (seconds per read, seconds per "
                                  "byte), both finite and >= 0")
         for row in self.predictors:
-            if (not isinstance(row, tuple) or len(row) != 3 or not isinstance(row[0], str) or any(
+            if (not isinstance(row, tuple) or len(row) not in (3, 4) or not isinstance(row[0], str) or any(
                     isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0
-                    for x in row[1:])):
+                    for x in row[1:3] + tuple(x for x in row[3:] if x is not None))):
                 raise ValueError(f"ComputeProfile {self.name!r}: predictors holds {row!r}; give (predictor name, "
-                                 "seconds of one decode prediction, seconds per additional token), times >= 0")
+                                 "seconds of one decode prediction, seconds per additional token[, seconds of a "
+                                 "prefill's at 1 token or None]), times >= 0")
         if self.read_host_s is not None and not self.reader_slowdown:
             raise ValueError(f"ComputeProfile {self.name!r}: read_host_s is set without reader_slowdown; the disk "
                              "model needs both (fit/contention.py measures them together)")
@@ -143,9 +145,9 @@ class ComputeProfile:
 
     def predict(self, T: int, predictor: str | None = None) -> float:
         """One host-side prediction for T tokens (by `predictor` where it was measured apart, else the gate's)."""
-        for name, s, per_token in self.predictors:
+        for name, s, per_token, *prefill in self.predictors:
             if name == predictor:
-                return s + per_token * (T - 1)
+                return self._at(T, s, prefill[0] if prefill else None) + per_token * (T - 1)
         return self._at(T, self.predict_s, self.predict_prefill_s) + self.predict_per_token_s * (T - 1)
 
     def decode_layer_s(self, top_k: int) -> float:

@@ -200,3 +200,26 @@ def test_a_busy_link_never_slows_a_host_computed_expert(setup):
     per = [sum(layer["decode"].host_s for layer in s.layers) / sum(layer["decode"].host for layer in s.layers)
            for s in (base, busy)]
     assert per[0] > 0 and per[1] == pytest.approx(per[0], rel=1e-9)
+
+
+def test_a_predictor_row_with_a_prefill_intercept_charges_it_in_prefill_steps_only(setup):
+    trace, shape = setup  # an instant link: the predictions' times only add up
+    cfg = OffloadConfig.preset("activation_path", slots=shape.num_moe_layers * shape.num_experts // 4)
+    flat = dataclasses.replace(BASE, predictors=(("activation_path", 1e-3, 2e-5),))
+    prefill = dataclasses.replace(BASE, predictors=(("activation_path", 1e-3, 2e-5, 4e-3),))
+    M = shape.num_moe_layers
+    prefills = sum(1 for a, b in _steps(trace) if b - a > 1)  # a decode step is one token
+    extra = prefills * (M - 1) * 3e-3  # each prefill's every prediction: 4 ms at 1 token instead of 1 ms
+    gap = _total(simulate(trace, cfg, Hardware(prefill, None), shape)) - _total(
+        simulate(trace, cfg, Hardware(flat, None), shape))
+    assert prefills > 0 and gap == pytest.approx(extra, rel=1e-9)
+
+
+def test_a_predictors_cost_is_read_back_by_inverting_the_simulators_charge():
+    from fate_lab.fit.calibrate import _per_prediction
+
+    # hand example: 2 decode steps of 4 MoE layers, the gate preset's bookkeeping 0.5 ms per layer, 6 predictions;
+    # the calls spent 10 ms beyond their experts: 10 - 2 x 4 x 0.5 = 6 ms over 6 predictions = 1 ms each
+    assert _per_prediction(10e-3, 6, 4, 0.5e-3, steps=2) == pytest.approx(1e-3)
+    assert _per_prediction(1e-3, 6, 4, 0.5e-3) == 0.0  # less than the bookkeeping: no negative time
+    assert _per_prediction(1e-3, 0, 4, 0.5e-3) == 0.0  # a predictor that made no prediction costs none
