@@ -96,6 +96,8 @@ class ScriptedMover:
 class SilentRecorder:
     """What `SimMover` asks of the driver core (its precision rule, a recorder), doing nothing: a link timed alone."""
 
+    phase = "decode"  # the forward running (a prefill reads the prefill slow-downs)
+
     def spec(self, m, reason):
         return None
 

@@ -4,7 +4,8 @@ What this file is: `measure_contention(model, prompt_ids)`, which offloads the m
 and `link="disk"` (at full precision, then packed as `lru_quant` holds them), then times, in short interleaved trials:
   - one reader thread reading experts with O_DIRECT (`DiskEngine.load_now`: the read, its digest check, the
     conversion and the copy into a slot) while nothing else runs, and while the model decodes beside it;
-  - the model's decode forwards alone, and beside one and two reader threads that read without a pause.
+  - the model's decode forwards alone, and beside one and two reader threads that read without a pause; then its
+    prefill forwards likewise (a prefill's experts calls run other code, on more rows per expert).
 A reader rewrites an expert into its own slot (the same bytes), so the model computes exactly as it would.
 The result (`Contention`) gives the simulator (`sim/simulate.py`, a disk link) what no single run shows: a read's
 host work beyond the disk's own latency + bytes / bandwidth, with the compute thread waiting and beside it (a line
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 TRIAL_S = 0.5  # seconds per trial
+PREFILL_TOKENS = 24  # the prompt of the prefill trials (the disk benchmark's prompts are 24 tokens)
 ROUNDS = 2  # interleaved rounds of every trial; each figure is the median over its rounds (reads: all samples)
 
 
@@ -45,6 +47,8 @@ class Contention:
     packed_idle_s: float | None = None  # a packed read (None: the model has no packed copy: no group size fits)
     packed_busy_s: float | None = None
     packed_nbytes: int = 0
+    slowdown_prefill: tuple[float, ...] = ()  # the same of a prefill forward's experts calls (empty: not measured)
+    slowdown_prefill_dense: tuple[float, ...] = ()  # ... and of the rest of a prefill forward
 
     def host_line(self, latency: float, bandwidth: float, busy: bool) -> tuple[float, float]:
         """(seconds per read, seconds per byte) of a read's host work beyond the disk's latency + bytes / bandwidth:
@@ -71,6 +75,15 @@ def _decode_loop(model, ids: torch.Tensor, stop: threading.Event, out: list[floa
                 out.append(time.perf_counter() - t)
 
 
+def _prefill_loop(model, ids: torch.Tensor, stop: threading.Event, out: list[float]) -> None:
+    """Prefill forwards of the prompt (the last position's logits only, as `generate` computes) until stop."""
+    with torch.no_grad():
+        while not stop.is_set():
+            t = time.perf_counter()
+            model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            out.append(time.perf_counter() - t)
+
+
 def _read_loop(engine, pairs, seed: int, stop: threading.Event, out: list[float]) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
@@ -78,16 +91,19 @@ def _read_loop(engine, pairs, seed: int, stop: threading.Event, out: list[float]
         out.append(engine.load_now(m, e, slot, spec))
 
 
-def _trial(rt, pairs, model, ids, readers: int, compute: bool) -> tuple[list[float], float, float]:
-    """(read seconds, experts-call seconds per decode forward, other seconds per decode forward) of one trial: the
-    first reads of each thread are left out (warm-up); the forwards' split comes from the runtime's own stats."""
+def _trial(rt, pairs, model, ids, readers: int, compute: bool, phase: str = "decode") -> tuple[list[float], float,
+                                                                                             float]:
+    """(read seconds, experts-call seconds per forward, other seconds per forward) of one trial, with decode or
+    prefill (`phase`) forwards computing: the first reads of each thread are left out (warm-up); the forwards'
+    split comes from the runtime's own stats."""
     stop = threading.Event()
     reads: list[list[float]] = [[] for _ in range(readers)]
     fwd: list[float] = []
     threads = [threading.Thread(target=_read_loop, args=(rt.engine, pairs, i, stop, reads[i]), daemon=True)
                for i in range(readers)]
     if compute:
-        threads.append(threading.Thread(target=_decode_loop, args=(model, ids, stop, fwd), daemon=True))
+        loop, args = (_decode_loop, ids[:, :16]) if phase == "decode" else (_prefill_loop, ids)
+        threads.append(threading.Thread(target=loop, args=(model, args, stop, fwd), daemon=True))
     rt.reset_stats()
     for t in threads:
         t.start()
@@ -96,21 +112,21 @@ def _trial(rt, pairs, model, ids, readers: int, compute: bool) -> tuple[list[flo
     for t in threads:
         t.join()
     calls = other = float("nan")
-    dec = rt.stats.forward_s["decode"]
-    if compute and dec:
-        calls = rt.stats.total("decode").compute_s / len(dec)
-        other = sum(dec) / len(dec) - calls
+    fw = rt.stats.forward_s[phase]
+    if compute and fw:
+        calls = rt.stats.total(phase).compute_s / len(fw)
+        other = sum(fw) / len(fw) - calls
     return [x for r in reads for x in r[2:]], calls, other
 
 
-def _measure(model, ids, preset: str, kinds: list[tuple[int, bool]]) -> tuple[dict, int]:
-    """Each (readers, compute) trial's results over ROUNDS interleaved rounds, with `preset`'s every expert resident
-    read back into its own slot (the same bytes, at the slot's precision); and the bytes of one read."""
+def _measure(model, ids, preset: str, kinds: list[tuple]) -> tuple[dict, int]:
+    """Each (readers, compute[, phase]) trial's results over ROUNDS interleaved rounds, with `preset`'s every expert
+    resident read back into its own slot (the same bytes, at the slot's precision); and the bytes of one read."""
     from fate_lab.core.config import OffloadConfig
     from fate_lab.offloading.runtime import offload
 
     cfg = OffloadConfig.preset(preset, all_resident=True, link="disk", store="ssd", checkpoint=model.name_or_path)
-    samples: dict[tuple[int, bool], list[tuple[list[float], float, float]]] = {}
+    samples: dict[tuple, list[tuple[list[float], float, float]]] = {}
     with offload(model, cfg) as rt:
         pairs = [(m, e, slot, rt.core.spec(m, "cache")) for m, layer in enumerate(rt.cache.layers)
                  for e, slot in layer.where.items()]
@@ -138,8 +154,9 @@ def measure_contention(model, prompt_ids: torch.Tensor, depth: int = 2) -> Conte
     with up to `depth` reader threads (the disk link's queue depth). Torch's thread count is the caller's."""
     if depth < 1:
         raise ValueError(f"depth={depth!r}: give at least one reader thread")
-    ids = prompt_ids[:, :16]
-    full, nbytes = _measure(model, ids, "lru", [(0, True), (1, False)] + [(r, True) for r in range(1, depth + 1)])
+    ids = prompt_ids[:, :PREFILL_TOKENS]
+    full, nbytes = _measure(model, ids, "lru", [(0, True), (1, False)] + [(r, True) for r in range(1, depth + 1)]
+                            + [(r, True, "prefill") for r in range(depth + 1)])
     med = statistics.median
 
     def reads(k):
@@ -153,6 +170,10 @@ def measure_contention(model, prompt_ids: torch.Tensor, depth: int = 2) -> Conte
                      slowdown=tuple(max(1.0, part((r, True), 1) / calls) for r in range(1, depth + 1)),
                      slowdown_dense=tuple(max(1.0, part((r, True), 2) / other) for r in range(1, depth + 1)),
                      forward_s=calls + other, nbytes=nbytes)
+    p_calls, p_other = part((0, True, "prefill"), 1), part((0, True, "prefill"), 2)
+    out = dataclasses.replace(
+        out, slowdown_prefill=tuple(max(1.0, part((r, True, "prefill"), 1) / p_calls) for r in range(1, depth + 1)),
+        slowdown_prefill_dense=tuple(max(1.0, part((r, True, "prefill"), 2) / p_other) for r in range(1, depth + 1)))
     if not _packable(model):
         return out
     packed, pbytes = _measure(model, ids, "lru_quant", [(1, False), (1, True)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+_SLOWDOWNS = ("reader_slowdown", "reader_slowdown_dense", "reader_slowdown_prefill", "reader_slowdown_prefill_dense")
 _OPTIONAL = ("demand_extra_s", "dense_prefill_s", "expert_prefill_s", "call_prefill_s", "predict_prefill_s")
 
 
@@ -54,6 +55,8 @@ class ComputeProfile:
     reader_slowdown: tuple[float, ...] = ()  # the compute thread's slow-down with 1, 2, ... reader threads busy: of
     # the experts calls' pieces (experts, bookkeeping, prediction, dequantize)
     reader_slowdown_dense: tuple[float, ...] = ()  # ... of the dense layers (empty: reader_slowdown's)
+    reader_slowdown_prefill: tuple[float, ...] = ()  # ... of a prefill's experts calls (empty: the decode figures)
+    reader_slowdown_prefill_dense: tuple[float, ...] = ()  # ... of a prefill's dense layers
     # a multi-token step (a prefill) runs other code than a decode step (rows gathered per expert, masks, the
     # KV cache begun): its pieces' times at 1 token, the intercepts of lines fitted through two prefill lengths
     # (None: the decode figure, the line through it and one prefill)
@@ -68,8 +71,8 @@ class ComputeProfile:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name in ("name", "source", "reader_slowdown", "read_host_s", "read_host_busy_s", "predictors",
-                          "reader_slowdown_dense") or (f.name in _OPTIONAL and getattr(self, f.name) is None):
+            if (f.name in ("name", "source", "read_host_s", "read_host_busy_s", "predictors") or f.name in _SLOWDOWNS
+                    or (f.name in _OPTIONAL and getattr(self, f.name) is None)):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -78,7 +81,7 @@ class ComputeProfile:
         if self.busy_factor < 1:
             raise ValueError(f"ComputeProfile {self.name!r}: busy_factor={self.busy_factor!r}; a busy link can "
                              "only slow the compute thread down: give a number >= 1 (1: no slow-down)")
-        for name in ("reader_slowdown", "reader_slowdown_dense"):
+        for name in _SLOWDOWNS:
             v = getattr(self, name)
             if not isinstance(v, tuple) or any(isinstance(x, bool) or not isinstance(x, (int, float))
                                                or not math.isfinite(x) or x < 1 for x in v):
@@ -119,10 +122,14 @@ class ComputeProfile:
         per_read, per_byte = (self.read_host_busy_s if busy else self.read_host_s) or (0.0, 0.0)
         return per_read + per_byte * nbytes
 
-    def slowdown(self, readers: int, dense: bool = False) -> float:
+    def slowdown(self, readers: int, dense: bool = False, prefill: bool = False) -> float:
         """The compute thread's slow-down with `readers` reader threads busy (the deepest measured beyond it), of a
-        dense layer or of an experts call's piece."""
-        f = (self.reader_slowdown_dense or self.reader_slowdown) if dense else self.reader_slowdown
+        dense layer or of an experts call's piece, in a decode step or a prefill (where measured apart)."""
+        f = self.reader_slowdown
+        if dense:
+            f = self.reader_slowdown_dense or f
+        if prefill:
+            f = (self.reader_slowdown_prefill_dense if dense else ()) or self.reader_slowdown_prefill or f
         if readers <= 0 or not f:
             return 1.0
         return f[min(readers, len(f)) - 1]

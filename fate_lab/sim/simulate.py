@@ -197,7 +197,7 @@ class SimMover:
             self._advance()  # reads the disk reaches meanwhile start, beside compute
             running = self.entries[0] > t
             readers = min(self.link.queue_depth, len(self.queue) + running)
-            f = self.compute.slowdown(readers, dense)
+            f = self.compute.slowdown(readers, dense, prefill=self.rec.phase == "prefill")
             if not running or t + rest * f <= self.entries[0]:
                 t += rest * f
                 break

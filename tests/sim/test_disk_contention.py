@@ -99,6 +99,27 @@ def test_a_dense_layer_takes_its_own_slowdown():
     assert link.clock.now == pytest.approx(3.5e-3)
 
 
+def test_a_prefill_takes_the_prefill_slowdowns_and_a_decode_step_the_decode_ones():
+    link = _mover(**DISK, reader_slowdown_dense=(1.5, 2.5), reader_slowdown_prefill=(4.0, 5.0),
+                  reader_slowdown_prefill_dense=(3.0, 4.0))
+    link.rec.phase = "prefill"
+    link.submit(0, 0, 0, urgent=False, reason="prefetch")  # runs 0-3.5 ms: one reader busy
+    link.stretch(0.25e-3, dense=True)  # a prefill's dense layer: 3x, 0.75 ms
+    assert link.clock.now == pytest.approx(0.75e-3)
+    link.stretch(0.25e-3)  # a prefill's experts piece: 4x, 1.75 ms
+    assert link.clock.now == pytest.approx(1.75e-3)
+    link.rec.phase = "decode"
+    link.stretch(0.25e-3, dense=True)  # a decode step's dense layer: 1.5x, 2.125 ms
+    assert link.clock.now == pytest.approx(2.125e-3)
+    link.stretch(0.25e-3)  # a decode step's experts piece: 2x, 2.625 ms
+    assert link.clock.now == pytest.approx(2.625e-3)
+    only_calls = _mover(**DISK, reader_slowdown_prefill=(4.0, 5.0))  # no prefill dense figure: the calls' serve
+    only_calls.rec.phase = "prefill"
+    only_calls.submit(0, 0, 0, urgent=False, reason="prefetch")
+    only_calls.stretch(0.25e-3, dense=True)
+    assert only_calls.clock.now == pytest.approx(1e-3)
+
+
 def test_without_readers_busy_compute_runs_at_its_own_pace():
     link = _mover()
     link.stretch(4e-3)
