@@ -229,8 +229,8 @@ class _SimCompute:
     """The simulator's `policy.step.ComputeTarget` for one call of MoE layer m (n: tokens per expert, T: tokens in
     the step): each expert's compute time on the clock, where the layer step's dispatch sends it."""
 
-    def __init__(self, sim: "Simulator", m: int, n: Counter, T: int = 1, share: float = 0.0):
-        self.sim, self.m, self.n, self.T, self.share = sim, m, n, T, share  # share: bookkeeping after each expert
+    def __init__(self, sim: "Simulator", m: int, n: Counter, T: int = 1):
+        self.sim, self.m, self.n, self.T = sim, m, n, T
 
     def on_device(self, e: int, slot: int) -> None:
         sim, comp, clock = self.sim, self.sim.hw.compute, self.sim.clock
@@ -242,7 +242,6 @@ class _SimCompute:
         clock.now += cold
         sim.mover.fresh.discard((self.m, e))
         sim.core.recorder.event("compute", self.m, e, c0, clock.now)
-        sim.compute(self.share)
 
     def on_host(self, e: int) -> None:  # the host CPU: its profile's time (+ the emulated hold's sleep overshoot)
         sim, comp, clock = self.sim, self.sim.hw.compute, self.sim.clock
@@ -251,14 +250,12 @@ class _SimCompute:
         clock.now += comp.link_extra_s
         sim.core.recorder.host(self.m, e, c0, clock.now)
         sim.mover.evicting += comp.landed_s  # its weights streamed through the dense layers' caches
-        sim.compute(self.share)
 
     def from_standin(self, e: int) -> None:  # the INT2 copy (the dequantize is not modelled: OUR simplification)
         sim, clock = self.sim, self.sim.clock
         c0 = clock.now
         sim.compute(sim.hw.compute.expert(self.n[e], self.T))
         sim.core.recorder.event("compute_lowp", self.m, e, c0, clock.now)
-        sim.compute(self.share)
 
 
 class Simulator:
@@ -311,12 +308,9 @@ class Simulator:
         for m in range(M):
             self._dense(T)
             t_call = clock.now
+            self.compute(comp.call(T))
             idx = experts[:, m]  # (T, K)
             counts = Counter(idx.reshape(-1).tolist())
-            # the call's bookkeeping: at once on an emulated link (its figures were fitted so); over the disk in even
-            # shares before the experts and after each, where the runtime does it (acquire, wait, done), beside reads
-            share = comp.call(T) / (len(counts) + 1) if self.mover.disk else 0.0
-            self.compute(share or comp.call(T))
 
             def timed(fn, m=m):
                 p0 = clock.now
@@ -325,7 +319,7 @@ class Simulator:
                 rec.event("predict", m, -1, p0, clock.now)
                 return out
 
-            core.run_layer(LayerCall(m, idx, _SimCompute(self, m, counts, T, share),
+            core.run_layer(LayerCall(m, idx, _SimCompute(self, m, counts, T),
                                      gate_input=None if gate_inputs is None else gate_inputs[:, m],
                                      weights=None if weights is None else weights[:, m], timed=timed))
             rec.stats.layers[m][rec.phase].compute_s += clock.now - t_call

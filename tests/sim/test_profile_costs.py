@@ -223,31 +223,3 @@ def test_a_predictors_cost_is_read_back_by_inverting_the_simulators_charge():
     assert _per_prediction(10e-3, 6, 4, 0.5e-3, steps=2) == pytest.approx(1e-3)
     assert _per_prediction(1e-3, 6, 4, 0.5e-3) == 0.0  # less than the bookkeeping: no negative time
     assert _per_prediction(1e-3, 0, 4, 0.5e-3) == 0.0  # a predictor that made no prediction costs none
-
-
-def _disk(shape: ModelShape, **compute) -> Hardware:
-    """A disk link (2 readers; one expert's bytes in 1 ms) and BASE with the disk model's figures."""
-    link = LinkProfile("disk", shape.nbytes(None) / 1e-3, 0.0, queue_depth=2)
-    return Hardware(dataclasses.replace(BASE, read_host_s=(0.0, 0.0), read_host_busy_s=(0.0, 0.0), **compute), link)
-
-
-def test_over_the_disk_the_calls_bookkeeping_is_spread_over_its_experts_and_adds_up_to_the_same(setup):
-    trace, shape = setup  # every expert resident: nothing is read, so spreading the bookkeeping changes no total
-    cfg = OffloadConfig.preset("all_resident")
-    disk = simulate(trace, cfg, _disk(shape, reader_slowdown=(1.0, 1.0)), shape)
-    instant = simulate(trace, cfg, Hardware(BASE, None), shape)
-    assert _total(disk) == pytest.approx(_total(instant), rel=1e-9)
-
-
-def test_over_the_disk_the_calls_bookkeeping_sits_between_its_experts_in_even_shares(setup):
-    trace, shape = setup  # every expert resident, readers slow nothing: each share is its plain time
-    cfg = OffloadConfig.preset("all_resident")
-    call = 1e-3
-    run = simulate(trace, cfg, _disk(shape, reader_slowdown=(1.0, 1.0), call_s=call), shape)
-    last = run.forward_s["decode"]  # the decode steps come last: the timeline's final K computes are one layer's
-    k = shape.top_k  # a decode token's distinct experts in a layer call
-    computes = [ev for ev in run.timeline if ev[0] == "compute"][-k:]
-    assert last and len({ev[1] for ev in computes}) == 1
-    # k experts: k + 1 shares of call / (k + 1), one before the first expert and one after each
-    gaps = [b[3] - a[4] for a, b in zip(computes, computes[1:], strict=False)]
-    assert gaps == pytest.approx([call / (k + 1)] * (k - 1), rel=1e-9)
