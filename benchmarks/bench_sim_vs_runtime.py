@@ -1,12 +1,13 @@
 """Simulator vs runtime: predicted and measured decode speed of every preset, in one run.
 
 For each scaled link and budget, runs the real offloaded runtime (greedy, prefill + N-1 decode
-forwards per prompt) and `fate_lab.sim.simulate` on a trace of the same prompts, with the compute
-profile and the link calibrated ONCE at start-up and shared by every row (so no two rows run
-over different links). Prints one markdown table: measured and predicted decode tok/s, their
-ratio, stall per decode token, decode hit rate, and the targets (fate vs lru and
-load_on_demand; fate_quant vs lru_quant, runtime only: a quantized model routes differently
-from the trace of the plain one, so the simulator is not asked about it).
+forwards per prompt) and `fate_lab.sim.simulate` on a trace of the same prompts, with the link
+calibrated ONCE at start-up and shared by every row (so no two rows run over different links), and
+the compute profile measured anew before each link x budget block (the machine drifts). Prints one
+markdown table: measured and predicted decode tok/s, their ratio, stall per decode token, decode hit
+rate, and the targets (fate vs lru and load_on_demand; fate_quant vs lru_quant, runtime only: a
+quantized model routes differently from the trace of the plain one, so the simulator is not asked
+about it).
 
     python -m benchmarks.bench_sim_vs_runtime                 # embedded model, 2 prompts x 32 tokens
     python -m benchmarks.bench_sim_vs_runtime --out benchmarks/results/sim_vs_runtime.md
@@ -89,9 +90,14 @@ def _run(args, argv) -> str:
     a = adapt(model)
     prompts = [tok(t)["input_ids"][:24] for t in heldout_prompts(args.prompts)]
     t0 = time.time()
-    layer_s = calibrate_layer_time(model, steps=24)
-    compute = calibrate_compute(model, calibration_ids(tok, len(prompts[0])), new_tokens=24, link=LINKS[0],
-                                layer_compute_s=layer_s)  # a prompt as long as the measured ones: linear slopes
+    layer_s = calibrate_layer_time(model, steps=24)  # the scaled links' clock: once, so every row has the same link
+
+    def measure():  # the machine's compute profile now (a prompt as long as the measured ones: linear slopes)
+        return calibrate_compute(model, calibration_ids(tok, len(prompts[0])), new_tokens=24, link=LINKS[0],
+                                 layer_compute_s=layer_s)
+
+    compute = measure()
+    denses = []
     trace = record_trace(model, tok, prompts, decode_tokens=args.new_tokens - 1, progress=False)
     shape = ModelShape.from_adapter(a)
     total = a.num_moe_layers * a.num_experts
@@ -106,6 +112,8 @@ def _run(args, argv) -> str:
              f"link overshoot +{compute.link_extra_s * 1e3:.3f} ms, "
              f"wake-up {compute.wake_s * 1e3:.3f} ms, busy link x{compute.busy_factor:.2f}, per queued transfer "
              f"+{compute.transfer_host_s * 1e3:.3f} ms (CPU emulation costs, see hardware.compute.ComputeProfile). "
+             "The compute profile is measured anew before each link x budget block, since this shared machine's speed "
+             "drifts within minutes (the figures above: the first block's; the dense layer over the blocks: DENSES). "
              "Every runtime row starts with an empty cache, as the simulator does; TTFT is the first prompt's prefill.",
              "", "| link | cached | preset | runtime tok/s | simulated tok/s | sim/runtime | runtime TTFT ms | "
              "sim TTFT ms | sim/runtime TTFT | runtime stall ms/tok | sim stall ms/tok | runtime hit | sim hit |",
@@ -113,6 +121,8 @@ def _run(args, argv) -> str:
     ratios: dict = {}
     for link_name in LINKS:
         for share in (0.5, 0.25):
+            compute = compute if not denses else measure()  # the first block uses the profile measured above
+            denses.append(compute.dense_s)
             slots = int(total * share)
             lad = ladder(a.top_k)
             for name in PRESETS + ABLATION + QUANT:
@@ -134,6 +144,8 @@ def _run(args, argv) -> str:
                              f"{sim_ttft / r['ttft_ms']:.2f} | {r['stall_ms']:.2f} | "
                              f"{1e3 * sd['stall_s'] / n_dec:.2f} | {r['hit']:.3f} | {sd['hit_rate']:.3f} |")
                 print(lines[-1], flush=True)
+    lines = [line.replace("DENSES", "-".join(f"{min(denses) * 1e3:.3f} {max(denses) * 1e3:.3f}".split()) + " ms")
+             for line in lines]
     sim_rows = [v for k, v in ratios.items() if k[0] == "sim"]
     dec_r, ttft_r = [d for d, _ in sim_rows], [t for _, t in sim_rows]
     within = sum(abs(d - 1) <= 0.10 for d in dec_r), sum(abs(t - 1) <= 0.10 for t in ttft_r)
