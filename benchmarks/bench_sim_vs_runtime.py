@@ -121,7 +121,8 @@ def _run(args, argv) -> str:
     ratios: dict = {}
     for link_name in LINKS:
         for share in (0.5, 0.25):
-            compute = compute if not denses else measure()  # the first block uses the profile measured above
+            if denses:  # the first block uses the profile measured above
+                compute = measure()
             denses.append(compute.dense_s)
             slots = int(total * share)
             lad = ladder(a.top_k)
@@ -144,8 +145,7 @@ def _run(args, argv) -> str:
                              f"{sim_ttft / r['ttft_ms']:.2f} | {r['stall_ms']:.2f} | "
                              f"{1e3 * sd['stall_s'] / n_dec:.2f} | {r['hit']:.3f} | {sd['hit_rate']:.3f} |")
                 print(lines[-1], flush=True)
-    lines = [line.replace("DENSES", "-".join(f"{min(denses) * 1e3:.3f} {max(denses) * 1e3:.3f}".split()) + " ms")
-             for line in lines]
+    lines = [line.replace("DENSES", f"{min(denses) * 1e3:.3f}-{max(denses) * 1e3:.3f} ms") for line in lines]
     sim_rows = [v for k, v in ratios.items() if k[0] == "sim"]
     dec_r, ttft_r = [d for d, _ in sim_rows], [t for _, t in sim_rows]
     within = sum(abs(d - 1) <= 0.10 for d in dec_r), sum(abs(t - 1) <= 0.10 for t in ttft_r)

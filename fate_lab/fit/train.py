@@ -267,6 +267,9 @@ def cosine_schedule(cfg, t_start: float):
 def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> dict:
     """Train tokenizer + model, save safetensors (bf16) of the best held-out loss, config, tokenizer and
     a model card."""
+    if cfg.final_eval_tokens is not None and cfg.final_eval_tokens < cfg.seq_len:
+        raise ValueError(f"final_eval_tokens={cfg.final_eval_tokens!r}: give at least one window of seq_len="
+                         f"{cfg.seq_len} tokens, or None for the whole held-out split")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     t_start = time.time()
@@ -322,9 +325,10 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
     best_step = best[1] if best is not None else steps_done
 
     windows = None if cfg.final_eval_tokens is None else cfg.final_eval_tokens // cfg.seq_len  # spread over the split
-    train_ce = evaluate(model, train_ids, cfg, windows=(windows or len(val_ids) // cfg.seq_len))  # as many as held-out
+    n_final = (len(val_ids) // cfg.seq_len if windows is None else windows) * cfg.seq_len  # held-out tokens evaluated
+    train_ce = evaluate(model, train_ids, cfg, windows=n_final // cfg.seq_len)  # as many tokens as held-out
     val_ce = evaluate(model, val_ids, cfg, windows=windows)
-    load = expert_load(model, val_ids, tokens=None if windows is None else windows * cfg.seq_len, seq_len=cfg.seq_len)
+    load = expert_load(model, val_ids, tokens=None if windows is None else n_final, seq_len=cfg.seq_len)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
@@ -342,7 +346,7 @@ def train(cfg: TrainConfig, out_dir: Path, corpus_file: Path = CORPUS_FILE) -> d
         "train_config": asdict(cfg),
         "corpus": str(corpus_file.name),
         "train_tokens": train_ids.numel(), "val_tokens": val_ids.numel(),
-        "final_eval_tokens": (windows or len(val_ids) // cfg.seq_len) * cfg.seq_len,
+        "final_eval_tokens": n_final,
         "steps": steps_done, "best_step": best_step, "tokens_seen": steps_done * cfg.batch_size * cfg.seq_len,
         "wall_minutes": round(wall / 60, 1),
         "machine": f"{platform.machine()}, {_threads()}, torch {torch.__version__}",

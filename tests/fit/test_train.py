@@ -97,3 +97,8 @@ def test_a_test_preset_never_overwrites_an_embedded_model_by_default():
 
     with pytest.raises(SystemExit, match="--out is required for the 'smoke' preset"):
         main(["train", "--preset", "smoke", "--steps", "1"])
+
+
+def test_final_held_out_numbers_over_less_than_one_window_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="final_eval_tokens=32: give at least one window of seq_len=64"):
+        train(TrainConfig.preset("smoke", steps=2, final_eval_tokens=32), tmp_path)
