@@ -59,6 +59,49 @@ def _spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}]"
 
 
+def _oracle(xs: list[float]) -> float:
+    """The median over rounds of (the median of the other rounds' measurements) / (this round's): the pred/meas a
+    predictor would score that knew every other round of the row, i.e. what this machine's noise alone allows."""
+    if len(xs) < 2:
+        return float("nan")
+    return statistics.median(statistics.median(xs[:i] + xs[i + 1:]) / x for i, x in enumerate(xs))
+
+
+def _within(ratios: list[float], tol: float = 0.10) -> int:
+    """How many ratios lie within tol of 1."""
+    return sum(abs(r - 1) <= tol for r in ratios)
+
+
+def _table(path: str) -> dict[tuple[str, str, str], list[float]]:
+    """The rows of a table this benchmark wrote: (model, cached, preset) -> [measured tok/s, predicted tok/s, measured
+    TTFT, predicted TTFT] (the medians)."""
+    rows, model = {}, None
+    with open(path) as f:
+        for line in f:
+            if line.startswith("## "):
+                model = line[3:].strip()
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| ") and len(cells) == 10 and cells[0].endswith("%"):
+                rows[model, cells[0], cells[1]] = [float(cells[i].split()[0]) for i in (2, 3, 5, 6)]
+    if not rows:
+        raise ValueError(f"{path}: no row of a bench_disk table found")
+    return rows
+
+
+def compare(a: str, b: str) -> str:
+    """How often two tables of this benchmark agree within 10% in each column, over the rows both hold."""
+    ta, tb = _table(a), _table(b)
+    keys = sorted(set(ta) & set(tb))
+    if not keys:
+        raise ValueError(f"{a} and {b} share no row")
+    lines = [f"{len(keys)} rows in both {a} and {b}:"]
+    for i, col in enumerate(("measured tok/s", "predicted tok/s", "measured TTFT", "predicted TTFT")):
+        r = [ta[k][i] / tb[k][i] for k in keys]
+        lines.append(f"  {col}: within 10% in {_within(r)} of {len(keys)} rows ({min(r):.2f}-{max(r):.2f}x)")
+    print("\n".join(lines))
+    return "\n".join(lines)
+
+
 def _machine(hw, layer_s: float, raw_bw: float, nbytes: int) -> str:
     """One round's measured machine, in words: the disk, a layer, a read's host work (of nbytes), the readers'
     slow-downs."""
@@ -82,7 +125,12 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--presets", nargs="*", default=None, help="presets to run (default: all of PRESETS; --fast: "
                     "three)")
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
+    ap.add_argument("--compare", nargs=2, metavar=("A.md", "B.md"), default=None,
+                    help="run nothing: how often two earlier tables of this benchmark agree with each other within "
+                         "10%%, row by row, in each measured and predicted column (the machine's run-to-run noise)")
     args = ap.parse_args(argv)
+    if args.compare:
+        return compare(*args.compare)
     from fate_lab.study.clock import pinned
 
     torch.manual_seed(0)
@@ -151,20 +199,25 @@ def _run(args, argv) -> str:
             dec = statistics.median(b / m for b, m in zip(ptok, tok_s, strict=True))  # each round's own ratio
             ttf = statistics.median(b / m for b, m in zip(pttft, ttft, strict=True))
             kept = all(x["wall_s"] >= x["bound_s"] for x in r)
-            rows.append((dec, ttf, kept))
+            rows.append((dec, ttf, kept, _oracle(tok_s), _oracle(ttft)))
             lines.append(f"| {share:.0%} | {p} | {_spread(tok_s)} | {_spread(ptok)} | {dec:.2f} | {_spread(ttft)} | "
                          f"{_spread(pttft)} | {ttf:.2f} | {statistics.median(x['hit'] for x in r):.3f} | "
                          f"{'yes' if kept else 'NO'} |")
             print(lines[-1], flush=True)
         lines.append("")
-    dec = [d for d, _, _ in rows]
-    ttf = [t for _, t, _ in rows]
+    dec = [r[0] for r in rows]
+    ttf = [r[1] for r in rows]
+    odec, ottf = [r[3] for r in rows], [r[4] for r in rows]
     with open("/proc/loadavg") as f:
         load1 = f.read().split()[:3]
     lines += [f"Predicted / measured over {len(rows)} rows: decode {min(dec):.2f}-{max(dec):.2f}x "
-              f"({sum(abs(d - 1) <= 0.10 for d in dec)} within 10%), TTFT {min(ttf):.2f}-{max(ttf):.2f}x "
-              f"({sum(abs(t - 1) <= 0.10 for t in ttf)} within 10%). Disk bound kept in "
-              f"{sum(k for _, _, k in rows)} of {len(rows)} rows.", "",
+              f"({_within(dec)} within 10%), TTFT {min(ttf):.2f}-{max(ttf):.2f}x "
+              f"({_within(ttf)} within 10%). Disk bound kept in "
+              f"{sum(r[2] for r in rows)} of {len(rows)} rows.", "",
+              "The measurement's own reproducibility (the noise floor of that count): each round predicted by the "
+              "median of the other rounds' measurements of its row, aggregated as above, is within 10% in "
+              f"{_within(odec)} of {len(rows)} rows for decode ({min(odec):.2f}-{max(odec):.2f}x) and {_within(ottf)} "
+              f"for TTFT ({min(ottf):.2f}-{max(ottf):.2f}x).", "",
               f"Machine load at the end: {' '.join(load1)}. Wall time {time.time() - t0:.0f} s."]
     return emit(lines, args.out)
 

@@ -246,7 +246,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
             model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
             st2, tl2 = rt2.stats, rt2.stats.timeline
         skip = st2.total("prefill").uses  # the prefill's compute events come first
-        fresh, warm_c, cold_c, pred2, seen = set(), [], [], [], 0
+        fresh, warm_c, cold_c, pred2, pre_comp, seen = set(), [], [], [], [], 0
         for kind, m, e, a0, a1 in tl2:
             if kind in ("demand", "prefetch", "sync_load"):
                 fresh.add((m, e))
@@ -254,6 +254,8 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
                 seen += 1
                 if seen > skip:
                     (cold_c if (m, e) in fresh else warm_c).append(a1 - a0)
+                else:
+                    pre_comp.append(a1 - a0)
                 fresh.discard((m, e))
             elif kind == "predict":
                 pred2.append(a1 - a0)
@@ -275,6 +277,11 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
             elif kind == "stall" and (m, e) in landed_at and landed_at[m, e] <= a1:
                 wakes.append(a1 - landed_at[m, e])
         wake = med(wakes)
+        # the prefill's calls beyond their pieces: the compute thread's own work for its many transfers (charged per
+        # transfer below, once the readers' slow-down of the calls is known, for the disk link)
+        p2 = st2.total("prefill")
+        pre_moves = p2.bytes_moved / rt.expert_bytes
+        pre_rest = p2.compute_s - sum(pre_comp) - p2.stall_s - sum(pred2[:M - 1])
         d2, n2 = st2.total("decode"), len(st2.forward_s["decode"])
         moved = d2.bytes_moved / rt.expert_bytes / n2  # transfers per decode token
         busy_expert = med(warm_c)  # a warm expert's compute while the link copies
@@ -299,6 +306,12 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
                 "reader_slowdown_dense": con.slowdown_dense, "reader_slowdown_prefill": con.slowdown_prefill,
                 "reader_slowdown_prefill_dense": con.slowdown_prefill_dense}
         extra, demand_extra, busy, landed = 0.0, None, 1.0, 0.0  # what the disk model replaces
+        # the compute thread's own work per read (queueing it, reserving and freeing its slot, waking on it), from
+        # the cold prefill above, where the readers were busy throughout: what its calls took beyond their experts,
+        # stall, predictions and (slowed) bookkeeping, per read, less that slow-down (the simulator slows it again by
+        # the readers busy at each submit, as it does the calls' other pieces)
+        slow = (con.slowdown_prefill or con.slowdown)[-1]
+        queued = max(0.0, pre_rest - M * gate_call(T) * slow) / pre_moves / slow if pre_moves else 0.0
     return ComputeProfile(name, dense_s, dense_tok, expert_s, expert_tok, call_s, predict_s, predict_tok,
                           expert_cold_s=cold, landed_s=landed, link_extra_s=max(0.0, extra), wake_s=wake,
                           demand_extra_s=demand_extra, **disk, **prefill, predictors=predictors,

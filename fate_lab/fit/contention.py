@@ -11,7 +11,9 @@ The result (`Contention`) gives the simulator (`sim/simulate.py`, a disk link) w
 host work beyond the disk's own latency + bytes / bandwidth, with the compute thread waiting and beside it (a line
 through the full and the packed read: much of it is per read, not per byte), and
 how much slower the compute thread runs with 1, 2, ... readers busy. On the 2-core test machine one busy reader
-made a decode forward 1.8x slower and two 2.6-3.0x (one-off runs); the readers share one interpreter lock.
+made `tiny_deepseek`'s decode experts calls 3.0-3.2x slower and two 5.3-5.9x (three calibrations in a row, after
+the readers were made to outlast the last forward of each trial: 4.1-5.0x before); the readers share one
+interpreter lock and the two cores.
 What it is not: the disk's latency and bandwidth (`fit/disk.py` measures those with bare reads) or a benchmark
 of any preset (`benchmarks/bench_disk.py`).
 """
@@ -26,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-TRIAL_S = 0.5  # seconds per trial
+TRIAL_S = 0.5  # seconds per trial, at least
+MIN_FORWARDS = 6  # forwards per trial, at least (a prefill beside two readers takes about 150 ms here)
 PREFILL_TOKENS = 24  # the prompt of the prefill trials (the disk benchmark's prompts are 24 tokens)
-ROUNDS = 2  # interleaved rounds of every trial; each figure is the median over its rounds (reads: all samples)
+ROUNDS = 4  # interleaved rounds of every trial; each figure is the median over its rounds (reads: all samples)
 
 
 @dataclass(frozen=True)
@@ -95,20 +98,30 @@ def _trial(rt, pairs, model, ids, readers: int, compute: bool, phase: str = "dec
                                                                                              float]:
     """(read seconds, experts-call seconds per forward, other seconds per forward) of one trial, with decode or
     prefill (`phase`) forwards computing: the first reads of each thread are left out (warm-up); the forwards'
-    split comes from the runtime's own stats."""
-    stop = threading.Event()
+    split comes from the runtime's own stats. The trial lasts `TRIAL_S` and at least `MIN_FORWARDS` forwards, and the
+    readers stop only once the compute thread has finished its last forward, so that every forward timed ran beside
+    them from its start to its end (stopping both at once left the last forward partly alone: with three 150 ms
+    prefill forwards a trial, that understated the slow-down by about a sixth)."""
+    stop_compute, stop_reads = threading.Event(), threading.Event()
     reads: list[list[float]] = [[] for _ in range(readers)]
     fwd: list[float] = []
-    threads = [threading.Thread(target=_read_loop, args=(rt.engine, pairs, i, stop, reads[i]), daemon=True)
+    threads = [threading.Thread(target=_read_loop, args=(rt.engine, pairs, i, stop_reads, reads[i]), daemon=True)
                for i in range(readers)]
+    worker = None
     if compute:
         loop, args = (_decode_loop, ids[:, :16]) if phase == "decode" else (_prefill_loop, ids)
-        threads.append(threading.Thread(target=loop, args=(model, args, stop, fwd), daemon=True))
+        worker = threading.Thread(target=loop, args=(model, args, stop_compute, fwd), daemon=True)
     rt.reset_stats()
-    for t in threads:
+    for t in threads + ([worker] if worker else []):
         t.start()
     time.sleep(TRIAL_S)
-    stop.set()
+    deadline = time.perf_counter() + 20 * TRIAL_S  # a machine too slow for MIN_FORWARDS still ends its trial
+    while worker is not None and len(fwd) < MIN_FORWARDS and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    stop_compute.set()
+    if worker is not None:
+        worker.join()
+    stop_reads.set()
     for t in threads:
         t.join()
     calls = other = float("nan")

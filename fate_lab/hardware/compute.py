@@ -42,7 +42,8 @@ class ComputeProfile:
     busy_factor: float = 1.0  # the expert, prediction and call pieces take this many times as long while the
     # link is copying (CPU emulation: the copy thread shares the memory bus and the interpreter lock); 1 on a GPU
     transfer_host_s: float = 0.0  # the compute thread's own time per transfer it queues (slot bookkeeping,
-    # handing the copy to the link, reaping it); ~0 on a GPU next to a layer's compute
+    # handing the copy to the link, reaping it); ~0 on a GPU next to a layer's compute. The disk model charges it
+    # alone and slows it by the readers busy at each submit, as it does the calls' other pieces
     dequant_s: float = 0.0  # one packed expert dequantized into the full-precision scratch before it computes (each
     # compute from a packed slot): the runtime's own dequantize timed on this machine at INT4 (fit/calibrate.py);
     # 0 in the data-sheet GPU profiles, which no measurement of it backs

@@ -70,6 +70,22 @@ def test_two_reads_queued_make_two_busy_readers_until_one_is_left():
     assert one.clock.now == pytest.approx(2e-3)
 
 
+def test_the_compute_threads_work_to_queue_a_read_is_slowed_by_the_busy_readers():
+    # 0.4 ms of the compute thread's own work per read it queues (transfer_host_s): the first submit finds no reader
+    # busy (0.4 ms at 1x), the second finds one busy (2x: 0.8 ms), the third two (3x: 1.2 ms); on an emulated link
+    # (no disk model) the same work is never slowed
+    link = _mover(transfer_host_s=0.4e-3, **DISK)
+    for e in range(3):
+        link.submit(0, e, e, urgent=False, reason="prefetch")
+    assert link.clock.now == pytest.approx(0.4e-3 + 0.8e-3 + 1.2e-3)
+    plain = SimMover(SilentRecorder().spec, SilentRecorder(), SimClock(), LinkProfile("hand", BW, LAT),
+                     ComputeProfile("emulated", 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, transfer_host_s=0.4e-3),
+                     _Shape(2, 1, 4, 1, 8, 8, torch.float32, 0, 0))
+    for e in range(3):
+        plain.submit(0, e, e, urgent=False, reason="prefetch")
+    assert plain.clock.now == pytest.approx(1.2e-3)
+
+
 def test_a_packed_read_pays_the_host_work_per_read_and_per_byte():
     link = _mover()
     # a quarter of the bytes (250): 1 ms latency + 0.25 ms bytes + 0.25 ms + 250 x 0.25 us of host work, waiting
