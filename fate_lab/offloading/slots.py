@@ -183,7 +183,10 @@ class PackedSlots(DeviceSlots):
         self.gate_up_scratch = _touched(n_scratch, *self.shapes["gate_up"], dtype=dtype, device=device)  # (n, R, H)
         self.down_scratch = _touched(n_scratch, *self.shapes["down"], dtype=dtype, device=device)  # (n, H, I)
         self.spec_of: list[QuantSpec | None] = [None] * n_slots
-        self._views: list[PackedExpert | ExpertWeights | None] = [None] * n_slots  # slot -> views at spec_of[slot]
+        # spec -> slot -> the slot's views at that precision, all made here: made on a slot's first use, they cost
+        # about 30 us each (six slices and views of the pool), which a cold prefill paid for every slot it filled
+        self._views: dict[QuantSpec | None, list[PackedExpert | ExpertWeights]] = {
+            spec: [self._make_view(slot, spec) for slot in range(n_slots)] for spec in self._layouts}
 
     def _layout(self, spec: QuantSpec | None) -> dict:
         off, out = 0, {}
@@ -207,15 +210,11 @@ class PackedSlots(DeviceSlots):
         return self.pool[slot, off:off + n]  # (n,) uint8
 
     def view(self, slot: int) -> PackedExpert | ExpertWeights:
-        """The slot's contents as device tensors (views of the pool), at the precision it holds; made once per
-        write of the slot (a write at another precision lays the slot out anew)."""
-        v = self._views[slot]
-        if v is None:
-            v = self._views[slot] = self._make_view(slot)
-        return v
+        """The slot's contents as device tensors (views of the pool), at the precision it holds (made at
+        construction for every precision in `specs`)."""
+        return self._views[self.spec_of[slot]][slot]
 
-    def _make_view(self, slot: int) -> PackedExpert | ExpertWeights:
-        spec = self.spec_of[slot]
+    def _make_view(self, slot: int, spec: QuantSpec | None) -> PackedExpert | ExpertWeights:
         lay = self._layouts[spec]
         parts = {}
         for name, shape in self.shapes.items():
@@ -234,8 +233,6 @@ class PackedSlots(DeviceSlots):
         if spec not in self._layouts:
             raise ValueError(f"these packed slots hold {list(self._layouts)}, not {spec}")
         lay = self._layouts[spec]
-        if self.spec_of[slot] != spec:
-            self._views[slot] = None
         for name in self.shapes:
             t = getattr(src, name)
             if "w" in lay[name]:
