@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 TRIAL_S = 0.5  # seconds per trial, at least
-MIN_FORWARDS = 6  # forwards per trial, at least (a prefill beside two readers takes about 150 ms here)
+MIN_FORWARDS = 6  # forwards per trial, within 4 x TRIAL_S (a tiny_deepseek prefill beside two readers: ~150 ms)
 PREFILL_TOKENS = 24  # the prompt of the prefill trials (the disk benchmark's prompts are 24 tokens)
 ROUNDS = 4  # interleaved rounds of every trial; each figure is the median over its rounds (reads: all samples)
 
@@ -98,10 +98,10 @@ def _trial(rt, pairs, model, ids, readers: int, compute: bool, phase: str = "dec
                                                                                              float]:
     """(read seconds, experts-call seconds per forward, other seconds per forward) of one trial, with decode or
     prefill (`phase`) forwards computing: the first reads of each thread are left out (warm-up); the forwards'
-    split comes from the runtime's own stats. The trial lasts `TRIAL_S` and at least `MIN_FORWARDS` forwards, and the
-    readers stop only once the compute thread has finished its last forward, so that every forward timed ran beside
-    them from its start to its end (stopping both at once left the last forward partly alone: with three 150 ms
-    prefill forwards a trial, that understated the slow-down by about a sixth)."""
+    split comes from the runtime's own stats. The trial lasts `TRIAL_S`, and up to 4 x `TRIAL_S` for `MIN_FORWARDS`
+    forwards; the readers stop only once the compute thread has finished its last forward, so that every forward
+    timed ran beside them from its start to its end (stopping both at once left the last forward partly alone: with
+    three 150 ms prefill forwards a trial, that understated the slow-down by about a sixth)."""
     stop_compute, stop_reads = threading.Event(), threading.Event()
     reads: list[list[float]] = [[] for _ in range(readers)]
     fwd: list[float] = []
@@ -115,7 +115,7 @@ def _trial(rt, pairs, model, ids, readers: int, compute: bool, phase: str = "dec
     for t in threads + ([worker] if worker else []):
         t.start()
     time.sleep(TRIAL_S)
-    deadline = time.perf_counter() + 20 * TRIAL_S  # a machine too slow for MIN_FORWARDS still ends its trial
+    deadline = time.perf_counter() + 3 * TRIAL_S  # a model too slow for MIN_FORWARDS (seconds a forward) ends soon
     while worker is not None and len(fwd) < MIN_FORWARDS and time.perf_counter() < deadline:
         time.sleep(0.01)
     stop_compute.set()

@@ -198,6 +198,24 @@ def test_packed_slot_holds_the_packed_bytes_and_dequantizes_like_the_host_copy()
         assert torch.equal(w.gate_up, host.gate_up.dequantize()) and torch.equal(w.down, host.down.dequantize())
 
 
+def test_a_packed_slot_rewritten_at_another_precision_is_read_at_that_precision():
+    # the views of every slot are made up front, one set per precision: a slot that held an INT4 expert and is then
+    # written at INT2 must be read (viewed and dequantized) as the INT2 bytes, and back again
+    from fate_lab.offloading.slots import PackedSlots
+
+    model = _model()
+    int4, int2 = QuantSpec.preset("int4"), QuantSpec.preset("int2")
+    store = QuantizedStore(RamStore.from_adapter(adapt(model)), [(int4, int2), (int4, int2)])
+    slots = PackedSlots({"gate_up": (128, 64), "down": (64, 64)}, (int4, int2), torch.float32, n_slots=1, n_scratch=1,
+                        device="cpu")
+    for m, e, spec in ((0, 3, int4), (1, 5, int2), (0, 6, int4)):
+        slots.write(0, store.fetch_at(m, e, spec), spec, non_blocking=False)
+        host = store.fetch_at(m, e, spec)
+        assert slots.spec_of[0] == spec and torch.equal(slots.view(0).down.packed, host.down.packed)
+        w = slots.weights(0)
+        assert torch.equal(w.gate_up, host.gate_up.dequantize()) and torch.equal(w.down, host.down.dequantize())
+
+
 def test_emulated_link_holds_for_the_packed_bytes_and_dequantizes_into_the_slot():
     model = _model()
     base = RamStore.from_adapter(adapt(model))
