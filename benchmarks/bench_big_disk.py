@@ -134,13 +134,13 @@ def run_prompts(model, prompts, new_tokens) -> dict:
 
 # ----------------------------------------------------------------------------------------------- part 1
 def part1(args, folder: Path, lines: list[str]) -> dict:
+    from fate_lab import offload  # the public call: it plans the auto row first, as a user's call does
     from fate_lab.core.config import OffloadConfig
     from fate_lab.core.shape import ModelShape
     from fate_lab.model.adapters import adapt
     from fate_lab.model.corpus import heldout_prompts
     from fate_lab.model.models import load_model
     from fate_lab.model.record import record_trace
-    from fate_lab.offloading.runtime import offload
     from fate_lab.sim.simulate import simulate
     from fate_lab.study.whatif import checkpoint_expert_bytes, machine_hardware
 
