@@ -214,8 +214,14 @@ def part1(args, folder: Path, lines: list[str]) -> dict:
                      f"{statistics.median(x['read_gb'] for x in rs):.2f} | {'yes' if kept else 'NO'} | "
                      f"{'yes' if same else 'NO'} |")
         print(lines[-1], flush=True)
-    lines += ["", f"Compute profile: link overshoot +{c.link_extra_s * 1e3:.3f} ms, per landed transfer "
-              f"+{c.landed_s * 1e3:.3f} ms, busy x{c.busy_factor:.2f}. The trained-routing column replays the embedded "
+    if c.disk_model:  # the readers' host work and their slow-down of compute, measured apart (fit/contention.py)
+        from .bench_disk import machine_line
+
+        profile = f"This machine as the simulator saw it: {machine_line(hw, layer_s, raw_bw, shape.nbytes())}."
+    else:
+        profile = (f"Compute profile: link overshoot +{c.link_extra_s * 1e3:.3f} ms, per landed transfer "
+                   f"+{c.landed_s * 1e3:.3f} ms, busy x{c.busy_factor:.2f}.")
+    lines += ["", profile + " The trained-routing column replays the embedded "
               "tiny_moe's routing of the same prompts (its own predictions too) on this shape's timing: a "
               "prediction only, no runtime row measures a trained model of this size.", ""]
     return {"slots": slots, "expert_bytes": disk_bytes, "plain_tokens": plain_tokens, "prompts": prompts,

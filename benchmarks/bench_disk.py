@@ -102,7 +102,7 @@ def compare(a: str, b: str) -> str:
     return "\n".join(lines)
 
 
-def _machine(hw, layer_s: float, raw_bw: float, nbytes: int) -> str:
+def machine_line(hw, layer_s: float, raw_bw: float, nbytes: int) -> str:
     """One round's measured machine, in words: the disk, a layer, a read's host work (of nbytes), the readers'
     slow-downs."""
     c, link = hw.compute, hw.link
@@ -188,7 +188,7 @@ def _run(args, argv) -> str:
                 sim = simulate(trace, cfg.replace(), hw, shape)
                 preds[k].append((sim.decode_tok_s, 1e3 * sim.forward_s["prefill"][0]))
         lines += [f"## {name}", "", "This machine, measured at the start of each round: " + "; ".join(
-            _machine(hw, layer_s, raw_bw, shape.nbytes()) for hw, layer_s, raw_bw in machines) + ".", "",
+            machine_line(hw, layer_s, raw_bw, shape.nbytes()) for hw, layer_s, raw_bw in machines) + ".", "",
                   "| cached | preset | measured tok/s | predicted tok/s | pred/meas | measured TTFT ms | "
                   "predicted TTFT ms | pred/meas TTFT | hit | disk bound kept |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
