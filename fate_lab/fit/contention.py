@@ -162,11 +162,41 @@ def _packable(model) -> bool:
     return any(w.gate_up.shape[-1] % g == 0 and w.down.shape[-1] % g == 0 for g in (64, 32, 16, 8))
 
 
+def available_bytes() -> int | None:
+    """Memory the kernel can give this process now (MemAvailable of /proc/meminfo); None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_memory(model) -> None:
+    """The trials hold every expert resident, in slots beside the model's own weights: refuse, with the figures, a
+    model whose experts do not fit in the memory available now (a model larger than its RAM budget), rather than
+    be killed by the kernel half-way (which loses the whole process)."""
+    from fate_lab.model.adapters import adapt
+
+    a = adapt(model)
+    need = a.num_moe_layers * a.num_experts * a.expert(0, 0).nbytes()
+    avail = available_bytes()
+    if avail is not None and need > 0.9 * avail:
+        raise MemoryError(
+            f"the disk's contention trials hold every expert of this model resident ({need / 1e9:.2f} GB of slots), "
+            f"but only {avail / 1e9:.2f} GB of memory is available now: a model larger than its RAM budget cannot be "
+            "calibrated this way yet. Predict it with a disk link profile and a compute profile calibrated on a "
+            "model that fits (fate_lab.study.whatif.machine_hardware on a smaller model of the family)")
+
+
 def measure_contention(model, prompt_ids: torch.Tensor, depth: int = 2) -> Contention:
     """Measure `Contention` on this machine for `model` (loaded from its checkpoint folder, which the reads use)
     with up to `depth` reader threads (the disk link's queue depth). Torch's thread count is the caller's."""
     if depth < 1:
         raise ValueError(f"depth={depth!r}: give at least one reader thread")
+    _check_memory(model)
     ids = prompt_ids[:, :PREFILL_TOKENS]
     full, nbytes = _measure(model, ids, "lru", [(0, True), (1, False)] + [(r, True) for r in range(1, depth + 1)]
                             + [(r, True, "prefill") for r in range(depth + 1)])

@@ -357,6 +357,7 @@ class Runtime:
     def _close(self, restore: bool) -> None:
         self._closed = True
         self.engine.close()
+        self.engine.release()  # its writer held the slots: a runtime kept referenced after close must not keep them
         for h in self._hooks:
             h.remove()
         self._unguard()

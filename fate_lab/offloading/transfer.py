@@ -97,6 +97,11 @@ class TransferEngine:
         """Stop the engine; queued transfers are cancelled."""
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Once closed, let go of the slots and the store it writes (a closed runtime that is still referenced must
+        not keep its slots' memory alive through its engine); a transfer after this fails on its own thread."""
+        self._writer = None
+
     @property
     def threads(self) -> list[threading.Thread]:
         """Worker threads this engine started."""

@@ -64,3 +64,14 @@ def test_every_forward_a_trial_times_runs_beside_its_readers_to_its_end(monkeypa
     # at least MIN_FORWARDS forwards where 4 x TRIAL_S allows them (0.03 s forwards), else what the deadline allows
     if forward_s * contention.MIN_FORWARDS < 4 * contention.TRIAL_S:
         assert len(model.spans) >= contention.MIN_FORWARDS
+
+
+def test_a_model_whose_experts_do_not_fit_in_memory_is_refused_before_anything_is_offloaded(monkeypatch):
+    from fate_lab.model.testing import tiny_model
+
+    model = tiny_model("mixtral")
+    monkeypatch.setattr(contention, "available_bytes", lambda: 1000)  # 1 kB free: no expert fits
+    with pytest.raises(MemoryError, match="every expert of this model resident"):
+        contention.measure_contention(model, torch.zeros(1, 24, dtype=torch.long))
+    monkeypatch.setattr(contention, "available_bytes", lambda: None)  # a system that does not say: no refusal here
+    contention._check_memory(model)
