@@ -337,10 +337,9 @@ class Runtime:
                 "standin_bytes": self.standin_bytes}
 
     def close(self, restore: bool = True) -> None:
-        """Stop the transfer worker(s), unplug from the model; restore=True gives the caller back its own expert
-        Parameters (on a CPU the very tensors taken; on an accelerator the same Parameters refilled from the RAM
-        store's host copy, never from a file). A model opened with `load_offloaded` has no copy to give back:
-        its experts stay empty and every later call of the model says so."""
+        """Stop the transfer worker(s), free the slots, unplug; restore=True gives back the caller's expert Parameters
+        (on a CPU the very tensors taken; on an accelerator the same ones refilled from the RAM store's host copy, never
+        a file). A model opened with `load_offloaded` has no copy: its experts stay empty, and later calls say so."""
         if self._closed:
             return
         if getattr(self, "_owner", None) == threading.get_ident():
