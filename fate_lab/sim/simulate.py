@@ -131,10 +131,7 @@ class SimMover:
 
     def submit(self, m: int, e: int, slot: int, urgent: bool, reason: str) -> _SimTransfer:
         """Queue a transfer at the compute thread's now (after the compute thread's own time to queue it)."""
-        if self.disk:  # Python work of the compute thread: as slow as the busy readers make it
-            self.stretch(self.compute.transfer_host_s)
-        else:
-            self.clock.now += self.compute.transfer_host_s
+        self.stretch(self.compute.transfer_host_s)  # compute-thread work: as slow as busy readers make it (disk model)
         self._advance()
         spec = self.spec(m, reason)
         self.slot_spec[slot] = spec  # what the slot holds once these bytes land (compute waits for them)
