@@ -138,9 +138,11 @@ def _cmd_calibrate_disk(args: argparse.Namespace) -> None:
     path = Path(args.path) if args.path else model_dir(None) / "model.safetensors"
     profile, samples = calibrate_disk(path, read_bytes=args.read_kib << 10)
     print(f"O_DIRECT random reads of {path} (page cache bypassed):")
-    print(f"{'read':>8} {'queue':>5} {'ms/read':>8} {'GB/s':>6}")
+    print(f"{'read':>8} {'queue':>5} {'ms/read':>8} {'GB/s':>6}  rounds' ms/read (min-max)")
     for s in samples:
-        print(f"{s.size >> 10:>6}Ki {s.queue_depth:>5} {s.seconds / s.reads * 1e3:>8.3f} {s.throughput / 1e9:>6.2f}")
+        spread = f"{min(s.per_read) * 1e3:.3f}-{max(s.per_read) * 1e3:.3f}" if s.per_read else ""
+        print(f"{s.size >> 10:>6}Ki {s.queue_depth:>5} {s.seconds / s.reads * 1e3:>8.3f} {s.throughput / 1e9:>6.2f}"
+              f"  {spread}")
     print(f"Disk({profile.name!r}, bandwidth={profile.bandwidth / 1e9:.3g}e9, latency={profile.latency:.3g}, "
           f"queue_depth={profile.queue_depth}, readahead={profile.readahead})")
     print(f"as plan's --disk: bw={profile.bandwidth / 1e9:.3g}GBps,lat={profile.latency * 1e6:.0f}us,"
