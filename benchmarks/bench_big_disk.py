@@ -263,10 +263,18 @@ def plan_mmap(folder: Path, info: dict, page_cache_bytes: float, measured_tok_s:
 
 
 def _differs(cfg, request) -> str:
-    """The fields of auto's pick that differ from its request: what it chose."""
-    return ", ".join(f"{f.name}={'(calibrated)' if f.name == 'miss_curves' else repr(getattr(cfg, f.name))}"
-                     for f in dataclasses.fields(cfg)
-                     if f.name not in ("name", "auto") and getattr(cfg, f.name) != getattr(request, f.name))
+    """The fields of auto's pick that differ from its request, one level into the config's parts (its cache,
+    prefetch, ... configs): what it chose."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        mine, asked = getattr(cfg, f.name), getattr(request, f.name)
+        if f.name in ("name", "auto") or mine == asked:
+            continue
+        if dataclasses.is_dataclass(mine) and type(mine) is type(asked):
+            out.append(_differs(mine, asked))
+        else:
+            out.append(f"{f.name}={'(calibrated)' if f.name == 'miss_curves' else repr(mine)}")
+    return ", ".join(out)
 
 
 # ----------------------------------------------------------------------------------------------- part 2
