@@ -4,8 +4,8 @@ What this file is: `calibrate_compute`, which runs the real runtime (every exper
 an instant link, then the `fate` preset over an emulated link) with its timeline on, and reads
 off what the timed simulator needs: per-layer dense time, per-expert compute, the experts call's
 bookkeeping, the host-side prediction, what the CPU emulation costs (cold experts, cache
-pollution by the link's copies, the worker's sleep overshoot, the waiting thread's wake-up), and what computing
-from a packed slot adds to an expert (at INT4, a packed all-resident run against a full-precision one).
+pollution by the link's copies, the worker's sleep overshoot, the waiting thread's wake-up), and the dequantize
+a packed slot pays before each compute (the runtime's own, timed on one of the model's experts at INT4).
 What it is not: the simulator (`simulate.py`), which only reads the profile.
 """
 from __future__ import annotations
@@ -166,32 +166,18 @@ def _predictor_figures(model, prompt_ids: torch.Tensor, preset: str, new_tokens:
     return med([r[0] for r in runs]), med([r[1] for r in runs]), med(prefill_s) if prefill_s else None
 
 
-def packable(w) -> bool:
-    """Whether a group size of INT4 (64, 32, ..., 8) divides expert w's projections' last dims, as a quantized
-    preset has to pick one (none: no packed slot can hold it, so nothing is ever dequantized)."""
-    return any(w.gate_up.shape[-1] % g == 0 and w.down.shape[-1] % g == 0 for g in (64, 32, 16, 8))
+def _dequant_s(w) -> float:
+    """The runtime's dequantize of expert w at INT4, in the largest of INT4's group sizes (64, 32, ..., 8) that
+    divides its projections' last dims, as a quantized preset would have to pick; 0 if none does (no packed slot
+    can hold it, so nothing is ever dequantized)."""
+    from fate_lab.offloading.slots import dequantize_s
+    from fate_lab.quant import QuantSpec
+    from fate_lab.quant.experts import pack_expert
 
-
-def _packed_extra(model, prompt_ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """(decode, prefill) seconds that computing from a packed slot adds to an expert, in context: `lru_quant` and
-    `lru` every expert resident over an instant link, interleaved, the same prompt; the packed run's compute events
-    less the full-precision run's (decode: median per event; prefill: mean per event, its experts' token counts
-    varying), each a median over `RESIDENT_RUNS` rounds. More than the dequantize timed alone
-    (`offloading.slots.dequantize_s`): on `tiny_deepseek`, 131 us in decode and 172 us in prefill against 110 us."""
-    from fate_lab.offloading.runtime import offload
-
-    figures: dict[str, list[tuple[float, float]]] = {"lru": [], "lru_quant": []}
-    for _ in range(RESIDENT_RUNS):
-        for preset, out in figures.items():
-            with offload(model, OffloadConfig.preset(preset, all_resident=True, link="instant")) as rt:
-                model.generate(prompt_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
-                rt.reset_stats()
-                model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-                events = [a1 - a0 for kind, _m, _e, a0, a1 in rt.stats.timeline if kind == "compute"]
-                n_pre = rt.stats.total("prefill").uses
-                out.append((med(events[n_pre:]), sum(events[:n_pre]) / max(1, n_pre)))
-    return tuple(max(0.0, med([q[i] - f[i] for q, f in zip(figures["lru_quant"], figures["lru"], strict=True)]))
-                 for i in (0, 1))
+    for g in (64, 32, 16, 8):
+        if w.gate_up.shape[-1] % g == 0 and w.down.shape[-1] % g == 0:
+            return dequantize_s(pack_expert(w, QuantSpec(4, g)))
+    return 0.0
 
 
 def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
@@ -212,8 +198,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     from fate_lab.model.adapters import adapt
     from fate_lab.offloading.runtime import offload
 
-    dequant, dequant_prefill = (_packed_extra(model, prompt_ids, new_tokens) if packable(adapt(model).expert(0, 0))
-                                else (0.0, 0.0))
+    dequant = _dequant_s(adapt(model).expert(0, 0))
     cfg = OffloadConfig.preset("fate", all_resident=True, link="instant", quant=quant)
     runs = []
     with offload(model, cfg) as rt:
@@ -247,7 +232,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     if packed:  # the measured expert time holds the dequantize, which the simulator charges apart (dequant_s)
         expert_s = max(0.0, expert_s - dequant)
         if "expert_prefill_s" in prefill:
-            prefill["expert_prefill_s"] = max(0.0, prefill["expert_prefill_s"] - dequant_prefill)
+            prefill["expert_prefill_s"] = max(0.0, prefill["expert_prefill_s"] - dequant)
     cold = landed = extra = wake = queued = 0.0
     demand_extra = None
     busy = 1.0
@@ -331,7 +316,6 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
                           expert_cold_s=cold, landed_s=landed, link_extra_s=max(0.0, extra), wake_s=wake,
                           demand_extra_s=demand_extra, **disk, **prefill, predictors=predictors,
                           busy_factor=busy, transfer_host_s=queued, dequant_s=dequant,
-                          dequant_prefill_s=dequant_prefill,
                           source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} from the runtime (all resident, "
                           f"instant link, {new_tokens} tokens, quant={quant}"
                           + (f"; cold experts, the busy link's slow-down and per-transfer time over {link}" if link

@@ -154,11 +154,12 @@ def _measure(model, ids, preset: str, kinds: list[tuple]) -> tuple[dict, int]:
 
 
 def _packable(model) -> bool:
-    """Can a quantized preset pack this model's experts (`fit.calibrate.packable`)?"""
-    from fate_lab.fit.calibrate import packable
+    """Can a quantized preset pack this model's experts (a group size of INT4 divides their projections' last dims,
+    as `fit/calibrate._dequant_s` asks)?"""
     from fate_lab.model.adapters import adapt
 
-    return packable(adapt(model).expert(0, 0))
+    w = adapt(model).expert(0, 0)
+    return any(w.gate_up.shape[-1] % g == 0 and w.down.shape[-1] % g == 0 for g in (64, 32, 16, 8))
 
 
 def available_bytes() -> int | None:

@@ -12,8 +12,7 @@ import math
 from dataclasses import dataclass, fields
 
 _SLOWDOWNS = ("reader_slowdown", "reader_slowdown_dense", "reader_slowdown_prefill", "reader_slowdown_prefill_dense")
-_OPTIONAL = ("demand_extra_s", "dense_prefill_s", "expert_prefill_s", "call_prefill_s", "predict_prefill_s",
-             "dequant_prefill_s")
+_OPTIONAL = ("demand_extra_s", "dense_prefill_s", "expert_prefill_s", "call_prefill_s", "predict_prefill_s")
 
 
 @dataclass(frozen=True)
@@ -45,11 +44,9 @@ class ComputeProfile:
     transfer_host_s: float = 0.0  # the compute thread's own time per transfer it queues (slot bookkeeping,
     # handing the copy to the link, reaping it); ~0 on a GPU next to a layer's compute. The disk model charges it
     # alone and slows it by the readers busy at each submit, as it does the calls' other pieces
-    dequant_s: float = 0.0  # what a compute from a packed slot adds to a decode step's expert (its dequantize into the
-    # full-precision scratch, and the rest of computing from it): measured in context on this machine at INT4, an
-    # all-resident packed run against a full-precision one (fit/calibrate.py); 0 in the data-sheet GPU profiles,
-    # which no measurement of it backs
-    dequant_prefill_s: float | None = None  # the same in a prefill step (None: dequant_s)
+    dequant_s: float = 0.0  # one packed expert dequantized into the full-precision scratch before it computes (each
+    # compute from a packed slot): the runtime's own dequantize timed on this machine at INT4 (fit/calibrate.py);
+    # 0 in the data-sheet GPU profiles, which no measurement of it backs
     read_host_s: tuple[float, float] | None = None  # a disk read's host work (digest check, conversion, copy into
     # its slot) beyond the disk's latency + bytes / bandwidth, the compute thread waiting: (seconds per read, seconds
     # per byte); set, the simulator runs the disk model below instead of link_extra_s, demand_extra_s, busy_factor
@@ -145,10 +142,6 @@ class ComputeProfile:
     def expert(self, n: int, T: int = 1) -> float:
         """One expert's compute on n tokens, in a step of T tokens (T > 1: a prefill's code)."""
         return self._at(T, self.expert_s, self.expert_prefill_s) + self.expert_per_token_s * (n - 1)
-
-    def dequant(self, T: int) -> float:
-        """What a compute from a packed slot adds to an expert's, in a step of T tokens (T > 1: a prefill's)."""
-        return self._at(T, self.dequant_s, self.dequant_prefill_s)
 
     def call(self, T: int) -> float:
         """The experts call's own bookkeeping in a step of T tokens."""

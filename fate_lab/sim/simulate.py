@@ -237,7 +237,7 @@ class _SimCompute:
         c0 = clock.now
         cold = comp.expert_cold_s if (self.m, e) in sim.mover.fresh else 0.0
         if sim.mover.slot_spec.get(slot) is not None:  # a packed slot: dequantized first, at every use
-            sim.compute(comp.dequant(self.T))
+            sim.compute(comp.dequant_s)
         sim.compute(comp.expert(self.n[e], self.T))
         clock.now += cold
         sim.mover.fresh.discard((self.m, e))

@@ -124,18 +124,6 @@ def test_a_packed_slot_pays_its_dequantize_at_every_compute(setup, quant):
     assert _total(dq) - _total(base) == pytest.approx(1e-3 * computes if packed else 0.0, rel=1e-9, abs=1e-12)
 
 
-def test_a_prefill_step_pays_its_own_figure_for_a_packed_slot(setup):
-    trace, shape = setup  # as above: the prefill's computes at dequant_prefill_s, the decode steps' at dequant_s
-    cfg = OffloadConfig.preset("all_resident", quant="int4")
-    hw = Hardware(BASE, LinkProfile("instant", 1e30, 0.0))
-    base = simulate(trace, cfg, hw, shape)
-    both = dataclasses.replace(BASE, dequant_s=1e-3, dequant_prefill_s=3e-3)
-    dq = simulate(trace, cfg, dataclasses.replace(hw, compute=both), shape)
-    n = {p: sum(layer[p].uses for layer in dq.layers) for p in ("prefill", "decode")}
-    assert n["prefill"] and n["decode"]
-    assert _total(dq) - _total(base) == pytest.approx(3e-3 * n["prefill"] + 1e-3 * n["decode"], rel=1e-9)
-
-
 def test_a_predictor_measured_apart_is_charged_its_own_host_time(setup):
     trace, shape = setup  # an instant link: the predictions' times only add up
     cfg = OffloadConfig.preset("activation_path", slots=shape.num_moe_layers * shape.num_experts // 4)
