@@ -267,14 +267,15 @@ def _differs(cfg, request) -> str:
     prefetch, ... configs): what it chose."""
     out = []
     for f in dataclasses.fields(cfg):
-        mine, asked = getattr(cfg, f.name), getattr(request, f.name)
-        if f.name in ("name", "auto") or mine == asked:
+        if f.name in ("name", "auto"):
             continue
+        mine, asked = getattr(cfg, f.name), getattr(request, f.name)
         if dataclasses.is_dataclass(mine) and type(mine) is type(asked):
             out.append(_differs(mine, asked))
-        else:
+        elif dataclasses.is_dataclass(mine) or dataclasses.is_dataclass(asked) or mine != asked:
+            # a config part (a dataclass) is never compared with a plain value: config_parts refuses that
             out.append(f"{f.name}={'(calibrated)' if f.name == 'miss_curves' else repr(mine)}")
-    return ", ".join(out)
+    return ", ".join(x for x in out if x)
 
 
 # ----------------------------------------------------------------------------------------------- part 2
