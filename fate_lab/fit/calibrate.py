@@ -303,6 +303,7 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
         con = measure_contention(model, prompt_ids, depth=lp.queue_depth)
         disk = {"read_host_s": con.host_line(lp.latency, lp.bandwidth, busy=False),
                 "read_host_busy_s": con.host_line(lp.latency, lp.bandwidth, busy=True), "reader_slowdown": con.slowdown,
+                "reader_overlap": con.overlap,
                 "reader_slowdown_dense": con.slowdown_dense, "reader_slowdown_prefill": con.slowdown_prefill,
                 "reader_slowdown_prefill_dense": con.slowdown_prefill_dense}
         extra, demand_extra, busy, landed = 0.0, None, 1.0, 0.0  # what the disk model replaces

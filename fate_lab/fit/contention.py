@@ -52,6 +52,9 @@ class Contention:
     packed_nbytes: int = 0
     slowdown_prefill: tuple[float, ...] = ()  # the same of a prefill forward's experts calls (empty: not measured)
     slowdown_prefill_dense: tuple[float, ...] = ()  # ... and of the rest of a prefill forward
+    overlap: float = 1.0  # reads per second with `depth` readers busy over those with one, compute idle (at least 1):
+    # 0.85-0.88 on the embedded models (their reads' host work is small steps under one interpreter lock), 1.60 on the
+    # 17.3 MB experts of the larger-than-RAM benchmark (large conversions and copies that release it)
 
     def host_line(self, latency: float, bandwidth: float, busy: bool) -> tuple[float, float]:
         """(seconds per read, seconds per byte) of a read's host work beyond the disk's latency + bytes / bandwidth:
@@ -198,8 +201,9 @@ def measure_contention(model, prompt_ids: torch.Tensor, depth: int = 2) -> Conte
         raise ValueError(f"depth={depth!r}: give at least one reader thread")
     _check_memory(model)
     ids = prompt_ids[:, :PREFILL_TOKENS]
-    full, nbytes = _measure(model, ids, "lru", [(0, True), (1, False)] + [(r, True) for r in range(1, depth + 1)]
-                            + [(r, True, "prefill") for r in range(depth + 1)])
+    kinds = [(0, True), (1, False)] + [(r, True) for r in range(1, depth + 1)]
+    kinds += [(r, True, "prefill") for r in range(depth + 1)] + ([(depth, False)] if depth > 1 else [])
+    full, nbytes = _measure(model, ids, "lru", kinds)
     med = statistics.median
 
     def reads(k):
@@ -212,7 +216,8 @@ def measure_contention(model, prompt_ids: torch.Tensor, depth: int = 2) -> Conte
     out = Contention(read_idle_s=reads((1, False)), read_busy_s=reads((1, True)),
                      slowdown=tuple(max(1.0, part((r, True), 1) / calls) for r in range(1, depth + 1)),
                      slowdown_dense=tuple(max(1.0, part((r, True), 2) / other) for r in range(1, depth + 1)),
-                     forward_s=calls + other, nbytes=nbytes)
+                     forward_s=calls + other, nbytes=nbytes,
+                     overlap=max(1.0, depth * reads((1, False)) / reads((depth, False))) if depth > 1 else 1.0)
     p_calls, p_other = part((0, True, "prefill"), 1), part((0, True, "prefill"), 2)
     out = dataclasses.replace(
         out, slowdown_prefill=tuple(max(1.0, part((r, True, "prefill"), 1) / p_calls) for r in range(1, depth + 1)),

@@ -53,6 +53,8 @@ class ComputeProfile:
     # and landed_s: reads served one at a time, each compute piece slowed by the readers busy beside it
     # (fit/contention.py measures both)
     read_host_busy_s: tuple[float, float] = (0.0, 0.0)  # the same while the compute thread runs beside the read
+    reader_overlap: float = 1.0  # the disk model's reads go this many times as fast while another read waits behind
+    # them (reads per second of the queue depth's readers over one's, measured: 1 where they do not overlap)
     reader_slowdown: tuple[float, ...] = ()  # the compute thread's slow-down with 1, 2, ... reader threads busy: of
     # the experts calls' pieces (experts, bookkeeping, prediction, dequantize)
     reader_slowdown_dense: tuple[float, ...] = ()  # ... of the dense layers (empty: reader_slowdown's)
@@ -79,6 +81,9 @@ class ComputeProfile:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"ComputeProfile {self.name!r}: {f.name}={v!r} s; give a finite number of "
                                  "seconds >= 0")
+        if self.reader_overlap < 1:
+            raise ValueError(f"ComputeProfile {self.name!r}: reader_overlap={self.reader_overlap!r}; more readers "
+                             "never read slower than one in this model: give a number >= 1 (1: reads one at a time)")
         if self.busy_factor < 1:
             raise ValueError(f"ComputeProfile {self.name!r}: busy_factor={self.busy_factor!r}; a busy link can "
                              "only slow the compute thread down: give a number >= 1 (1: no slow-down)")

@@ -156,3 +156,37 @@ def test_measuring_contention_needs_a_reader():
 
     with pytest.raises(ValueError, match="at least one reader"):
         measure_contention(None, torch.zeros(1, 4, dtype=torch.long), depth=0)
+
+
+def test_a_read_goes_faster_by_the_readers_overlap_while_another_waits_behind_it():
+    # overlap 2 (two readers read twice as many per second as one): the first read starts alone (3.5 ms beside
+    # compute); at 1 ms a second is queued behind it, so its remaining 2.5 ms take 1.25 ms (ends 2.25 ms); the second
+    # then starts with nothing behind it and takes its full 3.5 ms (ends 5.75 ms). Overlap 1 leaves every time as it
+    # was: 3.5 and 7 ms.
+    for overlap, ends in ((2.0, (2.25e-3, 5.75e-3)), (1.0, (3.5e-3, 7e-3))):
+        link = _mover(**DISK, reader_overlap=overlap)
+        first = link.submit(0, 0, 0, urgent=False, reason="prefetch")
+        link.clock.now = 1e-3
+        second = link.submit(0, 1, 1, urgent=False, reason="prefetch")
+        link.clock.now = 10e-3
+        link.busy()  # the link reaches the second read
+        assert (first.end, second.end) == pytest.approx(ends)
+    with pytest.raises(ValueError, match="reader_overlap=0.5"):
+        ComputeProfile("bad", 1e-3, 0.0, 1e-4, 0.0, 0.0, 0.0, reader_overlap=0.5)
+
+
+def test_the_readers_overlap_is_measured_as_reads_per_second_of_two_over_one(monkeypatch):
+    from fate_lab.fit import contention
+
+    # fake trials: one reader alone reads in 1 ms, two readers alone each in 1.25 ms (1.6x the reads per second);
+    # every other figure 1, so the slow-downs are 1
+    def fake_measure(model, ids, preset, kinds):
+        out = {k: [([1.25e-3] if k == (2, False) else [1e-3], 1.0, 1.0)] for k in kinds}
+        return out, 1000
+
+    monkeypatch.setattr(contention, "_measure", fake_measure)
+    monkeypatch.setattr(contention, "_check_memory", lambda model: None)
+    monkeypatch.setattr(contention, "_packable", lambda model: False)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    assert contention.measure_contention(None, ids, depth=2).overlap == pytest.approx(1.6)
+    assert contention.measure_contention(None, ids, depth=1).overlap == 1.0
