@@ -104,14 +104,15 @@ def compare(a: str, b: str) -> str:
 
 def machine_line(hw, layer_s: float, raw_bw: float, nbytes: int) -> str:
     """One round's measured machine, in words: the disk, a layer, a read's host work (of nbytes), the readers'
-    slow-downs."""
+    slow-downs and how much their reads overlap (x1: one at a time)."""
     c, link = hw.compute, hw.link
     line = (f"disk {raw_bw / 1e9:.2f} GB/s and {link.latency * 1e3:.3f} ms per read, layer {layer_s * 1e3:.3f} ms")
     if c.disk_model:
         line += (f", a read's host work {c.read_host(nbytes, False) * 1e3:.3f} ms alone / "
                  f"{c.read_host(nbytes, True) * 1e3:.3f} ms beside compute, compute x"
                  + "/".join(f"{f:.2f}" for f in c.reader_slowdown) + " (dense x"
-                 + "/".join(f"{f:.2f}" for f in c.reader_slowdown_dense) + ") with 1/2 readers busy")
+                 + "/".join(f"{f:.2f}" for f in c.reader_slowdown_dense) + ") with 1/2 readers busy, reads overlapping"
+                 f" x{c.reader_overlap:.2f}")
     return line
 
 
