@@ -50,8 +50,8 @@ class ComputeProfile:
     read_host_s: tuple[float, float] | None = None  # a disk read's host work (digest check, conversion, copy into
     # its slot) beyond the disk's latency + bytes / bandwidth, the compute thread waiting: (seconds per read, seconds
     # per byte); set, the simulator runs the disk model below instead of link_extra_s, demand_extra_s, busy_factor
-    # and landed_s: reads served one at a time, each compute piece slowed by the readers busy beside it
-    # (fit/contention.py measures both)
+    # and landed_s: reads served one at a time (faster by reader_overlap while another waits), each compute piece slowed
+    # by the readers busy beside it (fit/contention.py measures both)
     read_host_busy_s: tuple[float, float] = (0.0, 0.0)  # the same while the compute thread runs beside the read
     reader_overlap: float = 1.0  # the disk model's reads go this many times as fast while another read waits behind
     # them (reads per second of the queue depth's readers over one's, measured: 1 where they do not overlap)
