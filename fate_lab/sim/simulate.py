@@ -74,8 +74,7 @@ class SimMover:
         self.clock, self.link, self.compute, self.shape = clock, link, compute, shape
         self.queue: list[_SimTransfer] = []  # not started, urgent ones first
         self.free_at = 0.0  # when the last started transfer ends
-        # the disk model (compute.disk_model): reads are served one at a time (the readers share one interpreter
-        # lock, and two readers read no faster than one on the test machine: fit/contention.py)
+        # the disk model (compute.disk_model): reads served one at a time, faster by the readers' overlap (`_overlap`)
         self.disk = link is not None and compute.disk_model
         self.entries = [0.0] * (1 if link is None or self.disk else link.queue_depth)  # when each queue entry is free
         self.idle = False  # the compute thread waits (a read's host work then has the cores to itself)
@@ -89,20 +88,18 @@ class SimMover:
         return 0.0 if self.link is None else self.link.transfer_time(nbytes) + self.compute.transfer_extra(urgent)
 
     def _read_s(self, nbytes: int, idle: bool) -> float:
-        """The disk model's time of one read of nbytes: the disk's latency + bytes / bandwidth, then the reader's
-        host work (per read and per byte, `ComputeProfile.read_host`), alone or beside compute."""
+        """The disk model's time of one read of nbytes: latency + bytes / bandwidth + the reader's host work."""
         return self.link.latency + nbytes / self.link.bandwidth + self.compute.read_host(nbytes, busy=not idle)
 
     def _start_next(self) -> None:
         x = self.queue.pop(0)
-        if self.disk:  # one read at a time, at the pace the compute thread lets its host work go, faster by the
-            # readers' measured overlap while another read waits behind it (one converts while the other reads)
+        if self.disk:  # one read at a time, at the pace the compute thread lets its host work go
             x.start = max(self.entries[0], x.submit_t)
-            x.overlapped = bool(self.queue)
-            x.end = x.start + self._read_s(x.nbytes, self.idle) / (self.compute.reader_overlap if self.queue else 1.0)
-            self.running = x
-            x.idle = self.idle
+            x.end = x.start + self._read_s(x.nbytes, self.idle)
+            x.idle, self.running = self.idle, x
             self.entries[0] = self.wire_free = self.free_at = x.end
+            if self.queue:
+                self._overlap(x, x.start)
             return
         i = min(range(len(self.entries)), key=self.entries.__getitem__)
         x.start = max(self.entries[i], x.submit_t)
@@ -144,12 +141,15 @@ class SimMover:
         end = len(self.queue)
         pos = next((i for i, q in enumerate(self.queue) if not q.urgent), end) if urgent else end
         self.queue.insert(pos, x)
-        r = self.running  # (the disk model) the read on the disk now has one waiting behind it: the rest goes faster
-        if self.disk and r is not None and not r.overlapped and r.end > self.clock.now:
-            r.end, r.overlapped = self.clock.now + (r.end - self.clock.now) / self.compute.reader_overlap, True
-            self.entries[0] = self.wire_free = self.free_at = r.end
+        self._overlap(self.running, self.clock.now)  # (the disk model: running is None without it)
         self._advance()
         return x
+
+    def _overlap(self, r: _SimTransfer | None, t: float) -> None:
+        """From t on, read r has another behind it: its rest goes faster by the readers' measured overlap, once."""
+        if r is not None and not r.overlapped and r.end > t:
+            r.end, r.overlapped = t + (r.end - t) / self.compute.reader_overlap, True
+            self.entries[0] = self.wire_free = self.free_at = r.end
 
     def cancel(self, x: _SimTransfer) -> bool:
         """Drop x if the link has not reached it."""
