@@ -4,16 +4,19 @@ For each model, cache share and preset, runs the real offloaded runtime with `li
 O_DIRECT read of the checkpoint, so no row is served by the page cache; each row offloads anew, so its slots
 start empty) and `fate_lab.simulate` on a trace of the same prompts, with this machine's Hardware from
 `machine_hardware(model, tok, link="disk", fresh=True)` (compute calibrated from the runtime, the disk measured with
-O_DIRECT reads, the readers' host work and their contention with compute measured apart: `fit/contention.py`).
-Repeats are rounds: each measures the machine anew, then runs every row once and predicts it from that
-measurement, since this shared machine's speed drifts by 10-20% within minutes; the table gives the median and
-the spread (min-max) of the measured and predicted figures, and the median of each round's own ratio. Each run is
-checked against the disk's bound: it cannot take less time than the checkpoint bytes it read at the O_DIRECT
-bandwidth measured in its round. `lru_quant` and `fate_quant`
+O_DIRECT reads, the readers' host work and their contention with compute measured apart: `fit/contention.py`); a
+quantized preset's row from a calibration of its own, with the experts packed as it packs them
+(`machine_hardware(..., quant=cfg.quant)`).
+Repeats are rounds: each measures the machine anew, then runs every row once and predicts it from that measurement,
+since this shared machine's speed drifts by 10-20% within minutes (5 rounds by default: with 3, a row's rounds predicted
+each other within 10% in only 44-48 of 54 rows for TTFT, with 5 in 54); the table gives the median and the spread
+(min-max) of the measured and predicted figures, and the median of each round's own ratio. Each run is checked against
+the disk's bound: it cannot take less time than the checkpoint bytes it read at the O_DIRECT bandwidth measured in its
+round. `lru_quant` and `fate_quant`
 read the packed copies they write to a file once (fate_lab's cache folder) from the same disk, so their rows
 move fewer bytes per load; the packing happens at offload, before the timed run.
 
-    python -m benchmarks.bench_disk --fast        # tiny_moe; lru, fate, load_on_demand; 25% cached; 3 repeats
+    python -m benchmarks.bench_disk --fast        # tiny_moe; lru, fate, load_on_demand; 25% cached; 5 rounds
     python -m benchmarks.bench_disk --out benchmarks/results/disk_$(date +%F).md
 """
 from __future__ import annotations
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fast", action="store_true", help="one model, three presets, 25%% cached")
     ap.add_argument("--models", nargs="*", default=None, help="embedded models (default: both; --fast: tiny_moe)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every row (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats of every row (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=24, help="tokens generated per prompt (default %(default)s)")
     ap.add_argument("--prompts", type=int, default=2, help="held-out prompts per row (default %(default)s)")
     ap.add_argument("--presets", nargs="*", default=None, help="presets to run (default: all of PRESETS; --fast: "
@@ -154,7 +157,8 @@ def _run(args, argv) -> str:
              f"`python -m benchmarks.bench_disk {shlex.join(argv or sys.argv[1:])}`", "",
              f"Machine load (1/5/15 min) at start: {' '.join(load0)}. {args.prompts} held-out prompts x "
              f"{args.new_tokens} tokens per run; {args.repeats} rounds, each measuring the machine "
-             "(`machine_hardware(..., fresh=True)`) and then running every row once, cold; measured and predicted: "
+             "(`machine_hardware(..., fresh=True)`; the quantized rows' with their experts packed, `quant=`) and then "
+             "running every row once, cold; measured and predicted: "
              "median [min-max] over the rounds; pred/meas: the median of each round's own ratio (this shared machine's "
              "speed drifts by 10-20% within minutes).", ""]
     rows: list[tuple] = []
@@ -183,10 +187,13 @@ def _run(args, argv) -> str:
             raw_bw = hw.link.bandwidth * disk_bytes / shape.nbytes()  # back to checkpoint bytes/s
             machines.append((hw, layer_s, raw_bw))
             cfgs = configs(layer_s)
+            # a quantized row is predicted from a calibration with its experts packed as it packs them
+            hws = {q: hw if q is None else machine_hardware(model, tok, link="disk", fresh=True, quant=q)[0]
+                   for q in {cfg.quant for cfg in cfgs.values()}}
             for k, cfg in cfgs.items():
                 runs[k].append(run_runtime(model, prompts, cfg, args.new_tokens, disk_bytes, raw_bw))
             for k, cfg in cfgs.items():
-                sim = simulate(trace, cfg.replace(), hw, shape)
+                sim = simulate(trace, cfg.replace(), hws[cfg.quant], shape)
                 preds[k].append((sim.decode_tok_s, 1e3 * sim.forward_s["prefill"][0]))
         lines += [f"## {name}", "", "This machine, measured at the start of each round: " + "; ".join(
             machine_line(hw, layer_s, raw_bw, shape.nbytes()) for hw, layer_s, raw_bw in machines) + ".", "",

@@ -42,22 +42,27 @@ def checkpoint_expert_bytes(file) -> float:
     return sum(header[k]["data_offsets"][1] - header[k]["data_offsets"][0] for k in keys) / experts
 
 
-_calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {link: (Hardware, layer_s)}
+_calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {(link, quant): (Hardware, layer_s)}
 
 
 def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3",
-                     fresh: bool = False) -> tuple[Hardware, float]:
-    """(Hardware, layer seconds) of this machine running `model` with the emulated `link` (or "disk": this
-    machine's disk, measured now with O_DIRECT reads of the model's checkpoint): the run's one clock
-    (`clock.machine_clock`, threads pinned) scales the runtime's link and the simulator's alike; the compute
-    profile is calibrated once per (model, link) in this process, threads pinned too (fresh: measure it all again,
-    for a machine whose speed drifts between runs)."""
+                     fresh: bool = False, quant: str | None = None) -> tuple[Hardware, float]:
+    """(Hardware, layer seconds) of this machine running `model` with the emulated `link` (or "disk": this machine's
+    disk, measured now with O_DIRECT reads of the model's checkpoint): the run's one clock (`clock.machine_clock`,
+    threads pinned) scales the runtime's link and the simulator's alike; the compute profile is calibrated once per
+    (model, link, quant) in this process, threads pinned too (fresh: measure it all again, for a machine whose speed
+    drifts between runs). quant: calibrate with the experts packed as `OffloadConfig.quant` packs them (e.g. "fate",
+    what `lru_quant` and `fate_quant` run): predict a quantized preset with the profile of its own quant, since
+    computing from packed slots slows the rest of the layer too (the dense part and the call's bookkeeping, measured
+    on `tiny_moe`: 890 against 773 us, 80 against 68 us), which a full-precision calibration plus the dequantize
+    timed alone misses (docs/disk.md)."""
     from tqdm.auto import tqdm
 
     from fate_lab.study.clock import machine_clock, pinned
 
     per_model = _calibrated.setdefault(model, {})
-    if link not in per_model or fresh:
+    key = (link, quant)
+    if key not in per_model or fresh:
         disk = _measured_disk(model) if link == "disk" else None
         with tqdm(total=2, desc="calibrating this machine", unit="step", leave=False) as bar:
             layer_s = machine_clock(model).layer_s
@@ -65,13 +70,14 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3",
             ids = calibration_ids(tokenizer)
             timed = None if link == "instant" else link  # every other link is emulated on a CPU
             with pinned():
-                compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s, link_profile=disk)
+                compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s, link_profile=disk,
+                                            quant=quant)
             bar.update()
         hw = dataclasses.replace(run_hardware(link, layer_s), compute=compute)
         if disk is not None:
             hw = dataclasses.replace(hw, link=disk)
-        per_model[link] = (hw, layer_s)
-    return per_model[link]
+        per_model[key] = (hw, layer_s)
+    return per_model[key]
 
 
 def _measured_disk(model) -> "LinkProfile":
