@@ -1,8 +1,8 @@
 """What-if tables: hit rate and predicted speed of offloading configs, from the timed simulator.
 
 What it is: the calls notebooks 04, 05 and the widgets make to ask the simulator (`simulate`) "how fast would
-this config decode this trace on that hardware?": `machine_hardware` (this machine, calibrated once per model
-and link from the runtime itself), `setup_hardware` (a named real setup, its link fitted to whatever model
+this config decode this trace on that hardware?": `machine_hardware` (this machine, calibrated once per model,
+link and precision from the runtime itself), `setup_hardware` (a named real setup, its link fitted to whatever model
 runs), `sim_row` / `sim_table` (one `RunStats.row` per config), `ratio_curve` (speed over transfer/compute
 ratios) and `config_for` (the config an explorer's choices describe).
 What it is not: the simulator (`sim/simulate.py`) or the runtime (`offloading/runtime.py`).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -153,10 +154,23 @@ SPEED_COLUMNS = ["decode tok/s", "decode tok/s spread", "predicted decode tok/s"
                  "TTFT spread", "predicted TTFT (ms)"]
 
 
-def with_prediction(table: pd.DataFrame, trace, configs: dict[str, OffloadConfig], hardware: Hardware,
-                    shape: ModelShape) -> pd.DataFrame:
+def hardware_for(hardware: "Hardware | Mapping[str | None, Hardware]", config: OffloadConfig) -> Hardware:
+    """The Hardware that predicts `config`: `hardware` itself, or from a mapping {quant: Hardware} the one calibrated
+    at the config's `quant` (`machine_hardware(..., quant=)`: a quantized preset predicted from a full-precision
+    calibration ran 1.11-1.24x too fast in decode over this machine's disk, docs/disk.md)."""
+    if not isinstance(hardware, Mapping):
+        return hardware
+    if config.quant not in hardware:
+        raise ValueError(f"no Hardware for quant={config.quant!r} (given: {sorted(map(str, hardware))}); calibrate one "
+                         f"with machine_hardware(model, tokenizer, link, quant={config.quant!r})")
+    return hardware[config.quant]
+
+
+def with_prediction(table: pd.DataFrame, trace, configs: dict[str, OffloadConfig],
+                    hardware: "Hardware | Mapping[str | None, Hardware]", shape: ModelShape) -> pd.DataFrame:
     """A `bench.compare_presets` table with the simulator's prediction of every config's run beside it (`sim_table`
-    on the trace of the same prompt): predicted decode tok/s, predicted / measured, predicted TTFT (ms)."""
+    on the trace of the same prompt): predicted decode tok/s, predicted / measured, predicted TTFT (ms). hardware: one
+    Hardware, or {quant: Hardware} to predict each config from the calibration at its own precision (`hardware_for`)."""
     pred = sim_table(trace, configs, hardware, shape).set_index("config")
     out = table.copy()
     out["predicted decode tok/s"] = pred["decode tok/s"]
@@ -165,15 +179,16 @@ def with_prediction(table: pd.DataFrame, trace, configs: dict[str, OffloadConfig
     return out
 
 
-def sim_table(trace, configs: dict[str, OffloadConfig], hardware: Hardware, shape: ModelShape,
-              slots: list[int] | None = None) -> pd.DataFrame:
+def sim_table(trace, configs: dict[str, OffloadConfig], hardware: "Hardware | Mapping[str | None, Hardware]",
+              shape: ModelShape, slots: list[int] | None = None) -> pd.DataFrame:
     """`sim_row` of every config (for every cache size in `slots`, if given: column ``cache size``, the slots
-    asked for; ``slots`` is what the config got, e.g. 0 for load-on-demand), with a progress bar."""
+    asked for; ``slots`` is what the config got, e.g. 0 for load-on-demand), with a progress bar. hardware: one
+    Hardware, or {quant: Hardware} (`hardware_for`)."""
     from tqdm.auto import tqdm
 
     jobs = [(n, s, c if s is None else c.replace(slots=s, budget=None))
             for s in (slots or [None]) for n, c in configs.items()]
-    rows = [{**sim_row(trace, c, hardware, shape, n), "cache size": s}
+    rows = [{**sim_row(trace, c, hardware_for(hardware, c), shape, n), "cache size": s}
             for n, s, c in tqdm(jobs, desc="simulate", unit="run")]
     return pd.DataFrame(rows)
 

@@ -3,6 +3,7 @@ profile measured with its experts packed, never from the full-precision one (the
 here; the benchmark `bench_disk` measures what the difference is worth)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fate_lab.hardware.compute import ComputeProfile
@@ -29,3 +30,24 @@ def test_calibrated_once_per_link_and_quant(monkeypatch):
     assert calls == [None, "fate"]
     whatif.machine_hardware(model, None, "instant", fresh=True, quant="fate")
     assert calls == [None, "fate", "fate"]
+
+
+def test_each_config_predicted_from_the_hardware_of_its_precision(monkeypatch):
+    from fate_lab.core.config import OffloadConfig
+
+    full, packed = object(), object()  # stand-ins: only which one each config gets is checked here
+    configs = {"lru": OffloadConfig.preset("lru"), "lru_quant": OffloadConfig.preset("lru_quant"),
+               "fate_quant": OffloadConfig.preset("fate_quant")}
+    got = {}
+
+    def fake_row(trace, config, hardware, shape, name):
+        got[name] = hardware
+        return {"config": name}
+
+    monkeypatch.setattr(whatif, "sim_row", fake_row)
+    whatif.sim_table(None, configs, {None: full, "fate": packed}, None)
+    assert got == {"lru": full, "lru_quant": packed, "fate_quant": packed}
+    whatif.sim_table(None, configs, full, None)  # one Hardware: every config gets it, as before
+    assert set(map(id, got.values())) == {id(full)}
+    with pytest.raises(ValueError, match=r"quant='fate'.*machine_hardware"):  # never the full-precision one silently
+        whatif.sim_table(None, configs, {None: full}, None)
