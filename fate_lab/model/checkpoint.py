@@ -254,10 +254,11 @@ class ExpertIndex:
         (tensor,) = out.values()
         return tensor[0]  # the stack of one expert
 
-    def read(self, m: int, e: int, load=_load) -> ExpertWeights:
+    def read(self, m: int, e: int, load=_load, cast: bool = True) -> ExpertWeights:
         """Expert e of MoE layer m from disk, canonical and in the model's dtype; only its bytes are read.
         load(file, key, e | None) -> tensor: how a checkpoint tensor (or expert e's slice, a stack of one) is read
-        (default: safetensors' own reader; the disk link passes one that reads with O_DIRECT)."""
+        (default: safetensors' own reader; the disk link passes one that reads with O_DIRECT). cast=False keeps
+        the loaded dtype (the disk link traces where each element comes from with integer tensors)."""
         reason = self.refusal()
         if reason is not None:
             raise NotImplementedError(reason)
@@ -266,7 +267,9 @@ class ExpertIndex:
             raise IndexError(f"expert {e} out of range: MoE layer {m} holds {layout.num_experts} experts")
         biases = [f"{layout.up_name}_bias", "down_proj_bias"] if layout.has_bias else []
         names = [layout.up_name, "down_proj"] + biases
-        t = {n: self._tensor(m, e, n, load).to(self._dtypes[m][n]) for n in names}
+        t = {n: self._tensor(m, e, n, load) for n in names}
+        if cast:
+            t = {n: x.to(self._dtypes[m][n]) for n, x in t.items()}
         up, down = t[layout.up_name], t["down_proj"]
         if layout.is_transposed:
             up, down = up.T, down.T  # (R, H), (H, I)

@@ -15,18 +15,23 @@ import xxhash
 from fate_lab.model.experts import ExpertWeights
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Every byte of t in canonical (row-major) order, without a copy where t already is row-major."""
     flat = t.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def header(name: str, dtype: torch.dtype, shape) -> bytes:
+    """What the digest hashes before tensor `name`'s bytes: its name, dtype and shape."""
+    return f"{name}:{dtype}:{tuple(shape)};".encode()
 
 
 def expert_digest(w: ExpertWeights) -> int:
     """XXH3-64 of one expert: each tensor's name, dtype, shape and bytes, in field order."""
     h = xxhash.xxh3_64()
     for name, t in w.tensors().items():
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(_bytes(t.cpu()))
+        h.update(header(name, t.dtype, t.shape))
+        h.update(tensor_bytes(t.cpu()))
     return h.intdigest()
 
 

@@ -4,8 +4,11 @@ What this file is:
 - `DiskStore`: the SSD tier (`store.SafetensorsStore`: verified in full at open, every read digest-checked)
   whose reads are O_DIRECT preads (`direct.py`) of exactly the byte ranges of one expert's tensors, into a
   page-aligned buffer each reading thread allocates once. The byte ranges come from the safetensors headers
-  of the files `ExpertIndex` maps each expert to (per-expert keys, or one row of a fused [E, ...] tensor);
-  transformers' own conversions then run on the bytes read, as for every other read of the index.
+  of the files `ExpertIndex` maps each expert to (per-expert keys, or one row of a fused [E, ...] tensor).
+  Where a layer's byte plan exists (`byte_plan.py`: worked out at open by tracing transformers' conversions, and
+  checked there against them), a read goes straight into the slot's bytes (`read_into`) with a few numpy copies
+  and one XXH3 pass, which release the interpreter lock; elsewhere transformers' own conversions run on the
+  bytes read (`fetch`), as for every other read of the index. `describe()` says which layers do which.
 - `DiskEngine`: the transfer engine of `link="disk"`: `queue_depth` reader threads (the link profile's) take
   transfers from one queue (urgent ones first), each reads its expert from the disk and copies it into its
   slot. Nothing sleeps: the time a transfer takes is the disk's.
@@ -24,9 +27,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from fate_lab.hardware.links import LinkProfile
+from fate_lab.offloading.byte_plan import BytePlan, derive, structure
+from fate_lab.offloading.digest import tensor_bytes
 from fate_lab.offloading.direct import aligned_buffer, read_ranges, span
 from fate_lab.offloading.slots import DeviceSlots, SlotWriter
 from fate_lab.offloading.store import CheckpointError, HostStore, SafetensorsStore
@@ -59,6 +65,7 @@ class DiskStore(SafetensorsStore):
         base = SafetensorsStore.open(adapter, checkpoint, index=index, progress=progress)
         store = cls(base.index, base.num_moe_layers, base.num_experts, base.digests, base.reference)
         store._locate()
+        store._plan()
         return store
 
     def _locate(self) -> None:
@@ -89,6 +96,57 @@ class DiskStore(SafetensorsStore):
         self.span = max(sum(span([(r[2], r[3]) for r in rs]) for rs in by_file.values())
                         for row in self.ranges for by_file in row)
 
+    def _plan(self) -> None:
+        """plans[m][e]: expert e's `byte_plan.BytePlan` (None: read through the conversion path), one derived per
+        distinct read structure of a layer and checked at once against that path on the layer's first such expert:
+        the same bytes, and the digest taken at offload. `no_plan`: why a layer has none."""
+        self.plans: list[list[BytePlan | None]] = []
+        self.no_plan: dict[int, str] = {}
+        buf = aligned_buffer(self.span)
+        for m in range(self.num_moe_layers):
+            known: dict[tuple, BytePlan | None] = {}
+            row = []
+            for e in range(self.num_experts):
+                key = structure(self.ranges[m][e])
+                if key not in known:
+                    known[key] = self._checked_plan(m, e, buf)
+                row.append(known[key])
+            self.plans.append(row)
+
+    def _checked_plan(self, m: int, e: int, buf) -> BytePlan | None:
+        ref = self.fetch(m, e).tensors()  # the conversion path, digest-checked
+        canon = {name: (t.dtype, tuple(t.shape)) for name, t in ref.items()}
+        plan = derive(self.index, m, e, self.ranges[m][e], canon)
+        if isinstance(plan, str):
+            self.no_plan.setdefault(m, plan)
+            return None
+        scratch = {name: (np.empty(t.numel() * t.element_size(), dtype=np.uint8), t.dtype) for name, t in ref.items()}
+        digest = plan.read_into(self.ranges[m][e], buf, scratch)
+        same = all(np.array_equal(scratch[name][0], np.frombuffer(tensor_bytes(t), dtype=np.uint8))
+                   for name, t in ref.items())
+        if digest != self.digests[m][e] or not same:  # a conversion the trace misread: keep the conversion path
+            self.no_plan.setdefault(m, "its traced plan did not reproduce the conversion's bytes")
+            return None
+        return plan
+
+    def read_into(self, m: int, e: int, spec, regions: dict) -> bool:
+        """Expert e of MoE layer m read with O_DIRECT straight into regions (a slot's bytes: `DeviceSlots.regions`)
+        by its byte plan, and refused unless it hashes to its digest; False (nothing read) where it has no plan or
+        the regions are not its tensors: the caller then reads it through `fetch`."""
+        plan = self.plans[m][e] if spec is None else None
+        if plan is None or not plan.fits(regions):
+            return False
+        try:
+            digest = plan.read_into(self.ranges[m][e], self.buffer(), regions)
+        except Exception as exc:  # a vanished, truncated or replaced file: name it and the expert
+            raise CheckpointError(f"cannot read expert {e} of MoE layer {m} from {self._where(m, e)}: {exc}; the "
+                                  "checkpoint changed or vanished while offloaded") from exc
+        if digest != self.digests[m][e]:
+            self.fetch(m, e)  # the conversion path's own check names what changed (CheckpointError)
+            raise RuntimeError(f"expert {e} of MoE layer {m}: its byte plan read other bytes than the conversion "
+                               "path (a fate_lab bug; the slot was not used)")
+        return True
+
     def buffer(self):
         """This thread's aligned read buffer (allocated at its first read, then reused)."""
         buf = getattr(self._local, "buf", None)
@@ -117,8 +175,12 @@ class DiskStore(SafetensorsStore):
         return self._verified(m, e, w)
 
     def describe(self) -> str:
-        """'disk O_DIRECT (<path>)'."""
-        return f"disk O_DIRECT ({self.path})"
+        """'disk O_DIRECT (<path>)', and which layers are read through the conversion path."""
+        if not self.no_plan:
+            return f"disk O_DIRECT ({self.path})"
+        m, why = next(iter(self.no_plan.items()))
+        return (f"disk O_DIRECT ({self.path}; {len(self.no_plan)} of {self.num_moe_layers} MoE layers read through "
+                f"transformers' conversion, e.g. layer {m}: {why})")
 
 
 class DiskEngine(TransferEngine):

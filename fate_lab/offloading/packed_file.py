@@ -106,9 +106,8 @@ class PackedFile:
         """Bytes of the packed copy (tensors only, without the alignment padding)."""
         return self.runs[m, e, spec]["nbytes"]
 
-    def read(self, m: int, e: int, spec: QuantSpec) -> PackedExpert:
-        """The packed copy of (m, e) at spec, read with O_DIRECT and digest-checked; its tensors are views of this
-        thread's buffer (copy them before this thread reads again)."""
+    def _read(self, m: int, e: int, spec: QuantSpec) -> tuple[dict, np.ndarray]:
+        """(the run's index entry, its bytes in this thread's buffer), digest-checked."""
         r = self.runs[m, e, spec]
         buf = getattr(self._local, "buf", None)
         if buf is None:
@@ -118,7 +117,27 @@ class PackedFile:
             raise CheckpointError(f"the packed copy of expert {e} of MoE layer {m} at int{spec.bits} in {self.path} "
                                   "does not match its digest: the file changed since it was written; delete it and "
                                   "its .json to rewrite it")
-        raw = np.frombuffer(view, dtype=np.uint8)
+        return r, np.frombuffer(view, dtype=np.uint8)
+
+    def read_into(self, m: int, e: int, spec: QuantSpec, regions: dict) -> bool:
+        """The packed copy of (m, e) at spec read and checked as `read`, then copied byte for byte into regions (a
+        packed slot's segments: `PackedSlots.regions`); False (nothing read) if they are not its tensors."""
+        r = self.runs.get((m, e, spec))
+        if r is None or len(regions) != len(r["tensors"]):
+            return False
+        for name, dtype, _, _, n in r["tensors"]:
+            got = regions.get(name)
+            if got is None or got[0].size != n or str(got[1]) != dtype:
+                return False
+        r, raw = self._read(m, e, spec)
+        for name, _, _, off, n in r["tensors"]:
+            regions[name][0][:] = raw[off:off + n]
+        return True
+
+    def read(self, m: int, e: int, spec: QuantSpec) -> PackedExpert:
+        """The packed copy of (m, e) at spec, read with O_DIRECT and digest-checked; its tensors are views of this
+        thread's buffer (copy them before this thread reads again)."""
+        r, raw = self._read(m, e, spec)
         t = {name: torch.from_numpy(raw[off:off + n]).view(_DTYPES[dtype]).reshape(shape)
              for name, dtype, shape, off, n in r["tensors"]}
         qt = lambda part, shape: QuantizedTensor(t[f"{part}.packed"], t[f"{part}.scale"], t[f"{part}.zero"],  # noqa: E731
@@ -153,6 +172,12 @@ class DiskQuantizedStore(QuantizedStore):
             raise ValueError(f"no packed copy of expert {e} of MoE layer {m} at {spec}; this store keeps "
                              f"{self.specs[m]} for that layer")
         return self.file.read(m, e, spec)
+
+    def read_into(self, m: int, e: int, spec: QuantSpec | None, regions: dict) -> bool:
+        """Straight into a slot's bytes: full precision by the checkpoint's byte plan, packed from the packed file."""
+        if spec is None:
+            return self.base.read_into(m, e, None, regions)
+        return (m, e, spec) in self.file.runs and self.file.read_into(m, e, spec, regions)
 
     def nbytes_at(self, m: int, e: int, spec: QuantSpec) -> int:
         """Bytes of the packed copy, from the index (no read)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from fate_lab.core.sizing import aligned, layout_bytes, segment_bytes
@@ -38,6 +39,14 @@ class DeviceSlots:
     def weights(self, slot: int, scratch: int = 0) -> ExpertWeights:  # pragma: no cover
         """The expert in slot at full precision (canonical ExpertWeights), for the compute."""
         raise NotImplementedError
+
+    def regions(self, slot: int, spec: QuantSpec | None) -> dict[str, tuple[np.ndarray, torch.dtype]] | None:
+        """The bytes an expert at spec occupies in slot, by tensor name (a uint8 view and the tensor's dtype), for a
+        store that reads straight into them (`HostStore.read_into`); None where the slots are not in host memory."""
+        return None
+
+    def filled(self, slot: int, spec: QuantSpec | None) -> None:
+        """An expert at spec was read straight into slot's `regions`."""
 
     def tensors(self) -> list[torch.Tensor]:  # pragma: no cover - interface
         """The device tensors these slots allocated."""
@@ -65,6 +74,7 @@ class FullSlots(DeviceSlots):
         self.slots = dict(slots)  # name -> (S, *shape)
         n = next(iter(self.slots.values())).shape[0]
         self._views: list[ExpertWeights | None] = [None] * n  # slot -> its views, made once (writes copy into them)
+        self._regions: list[dict | None] = [None] * n
 
     @classmethod
     def empty(cls, n_slots: int, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
@@ -93,6 +103,16 @@ class FullSlots(DeviceSlots):
             return
         for name, t in src.tensors().items():
             self.slots[name][slot].copy_(t, non_blocking=non_blocking)  # (R, H), (H, I), biases
+
+    def regions(self, slot: int, spec: QuantSpec | None) -> dict[str, tuple[np.ndarray, torch.dtype]] | None:
+        """Each slot tensor's bytes (made once per slot), for a full-precision expert on a CPU device."""
+        if spec is not None or self.gate_up.device.type != "cpu":
+            return None
+        r = self._regions[slot]
+        if r is None:
+            r = self._regions[slot] = {n: (t[slot].reshape(-1).view(torch.uint8).numpy(), t.dtype)
+                                       for n, t in self.slots.items()}
+        return r
 
     def weights(self, slot: int, scratch: int = 0) -> ExpertWeights:
         """The slot's tensors, used in place (views made on first use and kept: `write` copies into them)."""
@@ -183,6 +203,7 @@ class PackedSlots(DeviceSlots):
         self.gate_up_scratch = _touched(n_scratch, *self.shapes["gate_up"], dtype=dtype, device=device)  # (n, R, H)
         self.down_scratch = _touched(n_scratch, *self.shapes["down"], dtype=dtype, device=device)  # (n, H, I)
         self.spec_of: list[QuantSpec | None] = [None] * n_slots
+        self._regions: dict[tuple[QuantSpec | None, int], dict] = {}
         # spec -> slot -> the slot's views at that precision, all made here: made on a slot's first use, they cost
         # about 30 us each (six slices and views of the pool), which a cold prefill paid for every slot it filled
         self._views: dict[QuantSpec | None, list[PackedExpert | ExpertWeights]] = {
@@ -228,6 +249,28 @@ class PackedSlots(DeviceSlots):
                 self._seg(slot, lay[name]["zero"]).view(torch.float16).view(grouped), shape, spec)
         return (ExpertWeights if spec is None else PackedExpert)(**parts)
 
+    def regions(self, slot: int, spec: QuantSpec | None) -> dict[str, tuple[np.ndarray, torch.dtype]] | None:
+        """The slot's segments at spec, named as `packed_file` names an expert's tensors ("gate_up.packed",
+        "gate_up.scale", ..., "gate_up_bias"; at full precision the canonical names), on a CPU device."""
+        if spec not in self._layouts or self.pool.device.type != "cpu":
+            return None
+        key = (spec, slot)
+        r = self._regions.get(key)
+        if r is None:
+            r = {}
+            for name, segs in self._layouts[spec].items():
+                if name == "bytes":
+                    continue
+                for part, seg in segs.items():
+                    dtype = self.dtype if part == "w" else torch.uint8 if part == "packed" else torch.float16
+                    r[name if part == "w" else f"{name}.{part}"] = (self._seg(slot, seg).numpy(), dtype)
+            self._regions[key] = r
+        return r
+
+    def filled(self, slot: int, spec: QuantSpec | None) -> None:
+        """The slot now holds an expert at spec."""
+        self.spec_of[slot] = spec
+
     def write(self, slot: int, src: PackedExpert | ExpertWeights, spec: QuantSpec | None, non_blocking: bool) -> None:
         """Copy a host expert's bytes (packed, or full precision for spec None) into slot, as they are."""
         if spec not in self._layouts:
@@ -266,7 +309,12 @@ class SlotWriter:
         self.store, self.slots = store, slots
 
     def write(self, m: int, e: int, slot: int, spec: QuantSpec | None, non_blocking: bool) -> None:
-        """Move (m, e) at spec into slot."""
+        """Move (m, e) at spec into slot: straight into the slot's bytes where the store can read it so (the disk
+        link, slots in host memory: `HostStore.read_into`), else as host tensors copied in."""
+        regions = self.slots.regions(slot, spec)
+        if regions is not None and self.store.read_into(m, e, spec, regions):
+            self.slots.filled(slot, spec)
+            return
         self.slots.write(slot, self.store.fetch_at(m, e, spec), spec, non_blocking)
 
     def nbytes(self, m: int, e: int, spec: QuantSpec | None) -> int:

@@ -64,6 +64,11 @@ class HostStore:
         """Bytes of the packed copy of (m, e) at spec (what a quantized transfer moves)."""
         return self.fetch_at(m, e, spec).nbytes
 
+    def read_into(self, m: int, e: int, spec: QuantSpec | None, regions: dict) -> bool:
+        """Read (m, e) at spec straight into a slot's bytes (`DeviceSlots.regions`), checked as `fetch_at` checks
+        it; False (nothing read) where this store cannot: the caller copies `fetch_at`'s tensors in instead."""
+        return False
+
     def describe(self) -> str:
         """A short name of the tier for outputs."""
         return self.tier
@@ -253,6 +258,10 @@ class QuantizedStore(HostStore):
         except KeyError:
             raise ValueError(f"no packed copy of expert {e} of MoE layer {m} at {spec}; this store keeps "
                              f"{self.specs[m]} for that layer") from None
+
+    def read_into(self, m: int, e: int, spec: QuantSpec | None, regions: dict) -> bool:
+        """Full precision straight into a slot where the wrapped store can (the packed copies live in memory)."""
+        return spec is None and self.base.read_into(m, e, None, regions)
 
     def describe(self) -> str:
         """The wrapped tier plus the packed precisions kept, e.g. 'ram + packed int4/g64, int2/g32'."""
