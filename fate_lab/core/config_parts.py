@@ -37,7 +37,7 @@ FLAT: dict[str, tuple[str, ...]] = {
     "similarity": ("lossy", "similarity"),
     "link": ("link", "name"), "native_link": ("link", "native"), "calibration_steps": ("link", "calibration_steps"),
     "layer_compute_s": ("link", "layer_compute_s"), "transfer_timeout_s": ("link", "transfer_timeout_s"),
-    "store": ("store", "kind"), "checkpoint": ("store", "checkpoint"),
+    "store": ("store", "kind"), "checkpoint": ("store", "checkpoint"), "direct_reads": ("store", "direct"),
     "timeline": ("timeline", "on"), "timeline_max_events": ("timeline", "max_events"),
 }
 _FLAT_OF = {path: flat for flat, path in FLAT.items()}  # (part, field[, sub]) -> the flat keyword
@@ -301,9 +301,14 @@ class StoreConfig:
     kind: str = "ram"  # "ram" | "ssd"
     checkpoint: str | None = None  # safetensors file/folder for kind="ssd" (load_offloaded fills it in; offload()
     # refuses "ssd" without one)
+    direct: bool = False  # link="disk": read each expert straight into its slot by its byte plan (offloading/
+    # byte_plan.py), which frees the interpreter lock the compute thread needs: decode 1.2-1.4x faster on the 2-core
+    # test machine (benchmarks/bench_disk_reader.py). Off by default: the simulator's disk model is calibrated on the
+    # conversion path and does not predict these runs yet (docs/disk.md, "Reading straight into the slot")
 
     def __post_init__(self) -> None:
         _choose(self, ("store", "kind"), ("ram", "ssd"))
+        _flag(self, ("store", "direct"))
 
 
 @_part("timeline")

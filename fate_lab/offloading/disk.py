@@ -187,10 +187,12 @@ class DiskEngine(TransferEngine):
     """`queue_depth` reader threads; each transfer is a real disk read plus the copy into its slot."""
 
     def __init__(self, store: HostStore, slots: DeviceSlots, link: LinkProfile,
-                 fault: Callable[[int, int], bool] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 fault: Callable[[int, int], bool] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 direct: bool = False):
+        """direct: read each expert straight into its slot by its byte plan where it has one (`SlotWriter`)."""
         self.link, self.fault, self.timeout_s = link, fault, timeout_s
         self.dead: str | None = None
-        self._writer = SlotWriter(store, slots)
+        self._writer = SlotWriter(store, slots, direct)
         self._disk = getattr(store, "base", store)
         self._cuda = slots.device.type == "cuda"
         self._queue: collections.deque[Transfer] = collections.deque()

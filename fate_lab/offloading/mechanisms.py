@@ -58,12 +58,13 @@ def build_slots(core: DriverCore, dtype: torch.dtype, device: torch.device) -> D
 
 
 def build_engine(store: HostStore, slots: DeviceSlots, link: LinkProfile | None, device: torch.device,
-                 native: bool, timeout_s: float) -> TransferEngine:
-    """The link engine: instant (link None), the CUDA copy stream (native on CUDA), or an emulated link."""
+                 native: bool, timeout_s: float, direct: bool = False) -> TransferEngine:
+    """The link engine: instant (link None), the CUDA copy stream (native on CUDA), or an emulated link; on the disk,
+    `direct` reads straight into the slots (`OffloadConfig(direct_reads=True)`)."""
     if link is None:
         return InstantEngine(store, slots)
     if store.tier == "disk":  # link="disk": real reads, queue_depth reader threads
-        return DiskEngine(store, slots, link, timeout_s=timeout_s)
+        return DiskEngine(store, slots, link, timeout_s=timeout_s, direct=direct)
     if device.type == "cuda" and native:
         return CudaCopyEngine(store, slots)
     return EmulatedEngine(store, slots, link, timeout_s=timeout_s)

@@ -118,7 +118,7 @@ class Runtime:
         self.slots = build_slots(core, self.dtype, self.device)
         self.link = core.hardware.link
         self.engine = build_engine(self.store, self.slots, self.link, self.device, native,
-                                   self.config.link.transfer_timeout_s)
+                                   self.config.link.transfer_timeout_s, self.config.store.direct)
         self._mover = EngineMover(core.spec, core.recorder, self.engine)
         self.cache = core.build_cache(self._mover)
         self.standin: list[list[PackedExpert]] | None = None

@@ -305,13 +305,14 @@ class PackedSlots(DeviceSlots):
 class SlotWriter:
     """Copies a host expert from a store into device slots (shared by every engine and the sync load)."""
 
-    def __init__(self, store: HostStore, slots: DeviceSlots):
-        self.store, self.slots = store, slots
+    def __init__(self, store: HostStore, slots: DeviceSlots, direct: bool = False):
+        """direct: read straight into a slot's bytes where the store can (`OffloadConfig(direct_reads=True)`)."""
+        self.store, self.slots, self.direct = store, slots, direct
 
     def write(self, m: int, e: int, slot: int, spec: QuantSpec | None, non_blocking: bool) -> None:
-        """Move (m, e) at spec into slot: straight into the slot's bytes where the store can read it so (the disk
-        link, slots in host memory: `HostStore.read_into`), else as host tensors copied in."""
-        regions = self.slots.regions(slot, spec)
+        """Move (m, e) at spec into slot: with `direct`, straight into the slot's bytes where the store can read it so
+        (the disk link, slots in host memory: `HostStore.read_into`); else as host tensors copied in."""
+        regions = self.slots.regions(slot, spec) if self.direct else None
         if regions is not None and self.store.read_into(m, e, spec, regions):
             self.slots.filled(slot, spec)
             return

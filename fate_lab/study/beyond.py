@@ -4,8 +4,9 @@ What it is: `side_by_side(model, tokenizer, prompts, configs, link, slots)` -- t
 and `benchmarks/bench_beyond_fate.py` show: for every config, greedy generation of the same prompts
 through the real offloaded runtime (decode tok/s, TTFT, decode hit rate, experts moved per decode
 token, stall, host calls, and whether the tokens equal the plain model's), with the timed simulator's
-prediction for the same config on a trace of the same prompts, on this machine calibrated ONCE
-(`whatif.machine_hardware`: one layer time scales the runtime's link and the simulator's alike).
+prediction for the same config on a trace of the same prompts, on this machine calibrated ONCE per precision
+(`whatif.machine_hardware`: one layer time scales the runtime's link and the simulator's alike; a quantized config
+is predicted from a calibration with its experts packed, as `whatif.hardware_for` picks it).
 What it is not: a claim about speed on its own; the rows are ratios measured in one run.
 """
 from __future__ import annotations
@@ -52,12 +53,13 @@ def side_by_side(model, tokenizer, prompts: list[str], configs: dict, link: str 
     from fate_lab.model.adapters import adapt
     from fate_lab.model.record import record_trace
     from fate_lab.sim.simulate import simulate
-    from fate_lab.study.whatif import machine_hardware
+    from fate_lab.study.whatif import hardware_for, machine_hardware
 
     ids = [tokenizer(p)["input_ids"][:max_prompt_tokens] for p in prompts]
     if not ids or any(len(i) < 2 for i in ids):
         raise ValueError("side_by_side needs prompts of at least 2 tokens")
     hw, layer_s = machine_hardware(model, tokenizer, link)
+    hws = {None: hw}
     reference = [_greedy_ids(model, p, new_tokens) for p in ids]
     trace = record_trace(model, tokenizer, ids, decode_tokens=new_tokens - 1, progress=False) if simulate_too else None
     shape = ModelShape.from_adapter(adapt(model))
@@ -79,8 +81,10 @@ def side_by_side(model, tokenizer, prompts: list[str], configs: dict, link: str 
         row = dict(rs[len(rs) // 2])
         row["decode tok/s spread"] = spread([r["decode tok/s"] for r in rs]) if repeats > 1 else float("nan")
         row["same tokens as plain"] = all(r["same tokens as plain"] for r in rs)
-        if simulate_too:
-            res = simulate(trace, cfg, hw, shape)
+        if simulate_too:  # a quantized config from a calibration at its own precision (`whatif.hardware_for`)
+            if cfg.quant not in hws:
+                hws[cfg.quant] = machine_hardware(model, tokenizer, link, quant=cfg.quant)[0]
+            res = simulate(trace, cfg, hardware_for(hws, cfg), shape)
             row["simulated tok/s"] = res.decode_tok_s
             row["sim / runtime"] = res.decode_tok_s / row["decode tok/s"]
             row["simulated hit rate"] = res.hit_rate("decode")

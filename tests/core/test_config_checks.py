@@ -122,7 +122,7 @@ def test_every_flat_keyword_reads_back_what_it_set():
               "host": "cost", "host_layers": 3, "host_profile": "laptop_ddr5", "quant": "int8", "lossy": "drop",
               "lossy_threshold": 0.3, "min_similarity": 0.5, "standin_window": 2, "similarity": "/y",
               "link": "pcie4_x16", "native_link": True, "calibration_steps": 5, "layer_compute_s": 1e-3,
-              "transfer_timeout_s": 9.0, "store": "ssd", "checkpoint": "/z", "timeline": False,
+              "transfer_timeout_s": 9.0, "store": "ssd", "checkpoint": "/z", "direct_reads": True, "timeline": False,
               "timeline_max_events": 5}
     # these need another knob set beside them: below
     nested = {"prefetch_value", "prefetch_depth", "prefetch_low", "activation_collection", "host_fill"}

@@ -110,3 +110,33 @@ def test_a_transposed_layout_keeps_the_conversion_path_and_says_so(tmp_path, tin
         if store.read_into(1, 2, None, got):
             assert all(bytes(got[n][0]) == bytes(tensor_bytes(t.contiguous())) for n, t in w.tensors().items())
         assert expert_digest(store.fetch(1, 2)) == expert_digest(w)
+
+
+@pytest.mark.parametrize("name", embedded_models())
+def test_direct_reads_keep_the_plain_tokens_and_go_straight_into_the_slots(name, monkeypatch):
+    from helpers import greedy, prompt_ids
+
+    from fate_lab.core.config import OffloadConfig
+    from fate_lab.offloading.runtime import offload
+
+    model, _ = load_model(name)
+    ids = prompt_ids(model.config.vocab_size)
+    ref = greedy(model, ids, 6)[0]
+    direct = []
+    plain_read = DiskStore.read_into
+
+    def counted(self, m, e, spec, regions):
+        ok = plain_read(self, m, e, spec, regions)
+        direct.append(ok)
+        return ok
+
+    monkeypatch.setattr(DiskStore, "read_into", counted)
+    for preset in ("load_on_demand", "lru", "fate"):
+        over = dict(link="disk", store="ssd", checkpoint=str(model_dir(name)), slots=8)
+        with offload(model, OffloadConfig.preset(preset, direct_reads=True, **over)):
+            assert torch.equal(greedy(model, ids, 6)[0], ref), preset
+        assert direct and all(direct), preset  # every read went straight into its slot
+        direct.clear()
+        with offload(model, OffloadConfig.preset(preset, **over)):  # the default: the conversion path
+            assert torch.equal(greedy(model, ids, 6)[0], ref), preset
+        assert not direct, preset

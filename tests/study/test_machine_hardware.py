@@ -51,3 +51,45 @@ def test_each_config_predicted_from_the_hardware_of_its_precision(monkeypatch):
     assert set(map(id, got.values())) == {id(full)}
     with pytest.raises(ValueError, match=r"quant='fate'.*machine_hardware"):  # never the full-precision one silently
         whatif.sim_table(None, configs, {None: full}, None)
+
+
+def test_side_by_side_predicts_a_quantized_config_from_its_own_calibration(monkeypatch):
+    import pandas as pd
+
+    from fate_lab.core.config import OffloadConfig
+    from fate_lab.model import record
+    from fate_lab.sim import simulate
+    from fate_lab.study import beyond
+
+    calibrated, used = [], {}
+
+    def fake_hardware(model, tok, link, fresh=False, quant=None):
+        calibrated.append(quant)
+        return f"hw {quant}", 1e-3
+
+    class Result:
+        decode_tok_s = 1.0
+
+        def hit_rate(self, phase):
+            return 0.5
+
+    def fake_simulate(trace, cfg, hw, shape):
+        used[cfg.name] = hw
+        return Result()
+
+    monkeypatch.setattr(whatif, "machine_hardware", fake_hardware)
+    monkeypatch.setattr(simulate, "simulate", fake_simulate)
+    monkeypatch.setattr(record, "record_trace", lambda *a, **k: None)
+    monkeypatch.setattr(beyond, "_greedy_ids", lambda model, ids, n: [0] * n)
+    monkeypatch.setattr(beyond, "runtime_row", lambda *a, **k: {"decode tok/s": 1.0, "same tokens as plain": True})
+    import fate_lab.core.shape as shape_mod
+    import fate_lab.model.adapters as adapters
+
+    monkeypatch.setattr(adapters, "adapt", lambda model: None)
+    monkeypatch.setattr(shape_mod.ModelShape, "from_adapter", staticmethod(lambda a: None))
+    tok = lambda text: {"input_ids": [1, 2, 3]}  # noqa: E731
+    configs = {n: OffloadConfig.preset(n) for n in ("lru", "lru_quant", "fate_quant", "fate")}
+    df = beyond.side_by_side(None, tok, ["a prompt"], configs, link="instant")
+    assert isinstance(df, pd.DataFrame) and len(df) == 4
+    assert calibrated == [None, "fate"]  # the packed calibration made once, for both quantized configs
+    assert used == {"lru": "hw None", "lru_quant": "hw fate", "fate_quant": "hw fate", "fate": "hw None"}
