@@ -5,10 +5,11 @@ What this file is:
   whose reads are O_DIRECT preads (`direct.py`) of exactly the byte ranges of one expert's tensors, into a
   page-aligned buffer each reading thread allocates once. The byte ranges come from the safetensors headers
   of the files `ExpertIndex` maps each expert to (per-expert keys, or one row of a fused [E, ...] tensor).
-  Where a layer's byte plan exists (`byte_plan.py`: worked out at open by tracing transformers' conversions, and
-  checked there against them), a read goes straight into the slot's bytes (`read_into`) with a few numpy copies
-  and one XXH3 pass, which release the interpreter lock; elsewhere transformers' own conversions run on the
-  bytes read (`fetch`), as for every other read of the index. `describe()` says which layers do which.
+  Transformers' own conversions run on the bytes read (`fetch`), as for every other read of the index; with
+  `OffloadConfig(direct_reads=True)` and slots in host memory, an expert whose layer has a byte plan
+  (`byte_plan.py`: worked out at open by tracing those conversions, and checked there against them) goes straight
+  into the slot's bytes instead (`read_into`): a few numpy copies and one XXH3 pass, which release the interpreter
+  lock. `describe()` names the layers without a plan.
 - `DiskEngine`: the transfer engine of `link="disk"`: `queue_depth` reader threads (the link profile's) take
   transfers from one queue (urgent ones first), each reads its expert from the disk and copies it into its
   slot. Nothing sleeps: the time a transfer takes is the disk's.
