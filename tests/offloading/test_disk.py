@@ -109,8 +109,9 @@ def _saved(tiny_models, tmp_path, seed=0, name="ckpt"):
     return model, tmp_path / name
 
 
-def _mid_run(model, ckpt, damage, match):
-    """Offload over the disk, damage the checkpoint after ten transfers; the error is clear, the model comes back."""
+def _mid_run(model, ckpt, damage, match, direct=False):
+    """Offload over the disk, damage the checkpoint after ten transfers; the error is clear, the model comes back
+    (direct: each expert read straight into its slot by its byte plan, `direct_reads=True`)."""
     ids = prompt_ids(model.config.vocab_size)
     ref = greedy(model, ids, N)[0]
     moved = []
@@ -121,7 +122,8 @@ def _mid_run(model, ckpt, damage, match):
             damage()
         return False
 
-    rt = offload(model, _disk(ckpt))
+    rt = offload(model, _disk(ckpt, direct_reads=direct))
+    assert "conversion" not in rt.describe()["store"]  # every layer has a byte plan (used when direct)
     rt.set_fault(after_ten)
     with pytest.raises(CheckpointError, match=match):
         greedy(model, ids, N)
@@ -129,23 +131,27 @@ def _mid_run(model, ckpt, damage, match):
     assert torch.equal(greedy(model, ids, N)[0], ref)  # the caller's own model, whole
 
 
-def test_a_file_truncated_mid_run_is_named_and_the_model_comes_back(tmp_path, tiny_models):
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_file_truncated_mid_run_is_named_and_the_model_comes_back(tmp_path, tiny_models, direct):
     model, ckpt = _saved(tiny_models, tmp_path)
     file = ckpt / "model.safetensors"
     _mid_run(model, ckpt, lambda: os.truncate(file, file.stat().st_size // 2),
-             r"cannot read expert \d+ of MoE layer \d from .*model\.safetensors.*truncated")
+             r"cannot read expert \d+ of MoE layer \d from .*model\.safetensors.*truncated", direct)
 
 
-def test_a_file_swapped_mid_run_is_refused_and_the_model_comes_back(tmp_path, tiny_models):
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_file_swapped_mid_run_is_refused_and_the_model_comes_back(tmp_path, tiny_models, direct):
     model, ckpt = _saved(tiny_models, tmp_path)
     _, other = _saved(tiny_models, tmp_path, seed=5, name="other")
     _mid_run(model, ckpt, lambda: shutil.copy(other / "model.safetensors", ckpt / "model.safetensors"),
-             r"expert \d+ of MoE layer \d read from .*model\.safetensors.* is not the expert verified at offload")
+             r"expert \d+ of MoE layer \d read from .*model\.safetensors.* is not the expert verified at offload",
+             direct)
 
 
-def test_a_file_that_vanishes_mid_run_is_named_and_the_model_comes_back(tmp_path, tiny_models):
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_file_that_vanishes_mid_run_is_named_and_the_model_comes_back(tmp_path, tiny_models, direct):
     model, ckpt = _saved(tiny_models, tmp_path)
-    _mid_run(model, ckpt, lambda: shutil.rmtree(ckpt), r"cannot read expert \d+ of MoE layer \d .*vanished")
+    _mid_run(model, ckpt, lambda: shutil.rmtree(ckpt), r"cannot read expert \d+ of MoE layer \d .*vanished", direct)
 
 
 def test_the_disk_link_needs_the_ssd_store(tiny_models):
