@@ -1,10 +1,11 @@
 """Reading an expert from the disk straight into its slot: where each byte of a read goes, worked out once.
 
-Why: a disk read used to rebuild the expert as tensors (transformers' conversions on the bytes read), hash them and
-copy them into the slot: about 60 small Python steps per read, each taking the interpreter lock. The readers run on
-threads beside the compute thread, which needs that lock for every torch call it makes, so on the 2-core test
-machine one busy reader made the decode forwards 2.6x slower. A plan moves the bytes with a few numpy copies and one
-XXH3 pass, which release the lock (measured in `docs/disk.md`).
+Why: a disk read by default rebuilds the expert as tensors (transformers' conversions on the bytes read), hashes them
+and copies them into the slot: about 60 small Python steps per read, each taking the interpreter lock. The readers
+run on threads beside the compute thread, which needs that lock for every torch call it makes, so on the 2-core test
+machine one busy reader makes the decode forwards 2.3-3.0x slower. With `OffloadConfig(direct_reads=True)` a plan
+moves the bytes with a few numpy copies and one XXH3 pass, which release the lock (`benchmarks/bench_disk_reader.py`,
+docs/disk.md).
 
 What this file is:
 - `derive(index, m, e, ranges, canon)`: the `BytePlan` of one expert of the checkpoint: which bytes of its O_DIRECT
@@ -45,7 +46,7 @@ class BytePlan:
     (tensor name, what the digest hashes before its bytes) in field order, and `structure` (each read's dtype and
     shape: experts of one layer whose reads have the same structure share the plan)."""
 
-    copies: tuple[tuple[str, int, int, int, int], ...]
+    copies: tuple[tuple[str, int, int, int, int, int], ...]
     headers: tuple[tuple[str, bytes], ...]
     structure: tuple
     tensors: tuple[tuple[str, torch.dtype, int], ...]  # each canonical tensor's name, dtype and bytes
