@@ -43,13 +43,12 @@ MAX_COPIES = 64  # contiguous runs per tensor beyond which a plan is refused (a 
 class BytePlan:
     """One expert's bytes from its reads into its canonical tensors: `copies` (tensor name, byte offset in the
     tensor, read index, byte offset in that read, elements, how: `COPY` or a widening to float32), `headers`
-    (tensor name, what the digest hashes before its bytes) in field order, and `structure` (each read's dtype and
-    shape: experts of one layer whose reads have the same structure share the plan)."""
+    (tensor name, what the digest hashes before its bytes) in field order, and `tensors` (each canonical tensor's
+    name, dtype and bytes). Experts of one layer whose reads have the same `structure` share a plan."""
 
     copies: tuple[tuple[str, int, int, int, int, int], ...]
     headers: tuple[tuple[str, bytes], ...]
-    structure: tuple
-    tensors: tuple[tuple[str, torch.dtype, int], ...]  # each canonical tensor's name, dtype and bytes
+    tensors: tuple[tuple[str, torch.dtype, int], ...]
 
     def fits(self, regions: dict[str, tuple[np.ndarray, torch.dtype]]) -> bool:
         """Do regions hold exactly these tensors (names, dtypes and sizes)?"""
@@ -136,4 +135,4 @@ def derive(index, m: int, e: int, ranges: dict[Path, list[tuple]],
             copies.append((name, a * size, k, (first - starts[k]) * dtypes[k].itemsize, b - a, how))
     headers = tuple((name, header(name, *canon[name])) for name in canon)
     sizes = tuple((name, dtype, math.prod(shape) * dtype.itemsize) for name, (dtype, shape) in canon.items())
-    return BytePlan(tuple(copies), headers, structure(ranges), sizes)
+    return BytePlan(tuple(copies), headers, sizes)

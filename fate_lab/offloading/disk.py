@@ -66,7 +66,7 @@ class DiskStore(SafetensorsStore):
         base = SafetensorsStore.open(adapter, checkpoint, index=index, progress=progress)
         store = cls(base.index, base.num_moe_layers, base.num_experts, base.digests, base.reference)
         store._locate()
-        store._plan()
+        store.plans, store.no_plan = None, {}  # derived on demand: `plan()` (direct reads only)
         return store
 
     def _locate(self) -> None:
@@ -97,12 +97,14 @@ class DiskStore(SafetensorsStore):
         self.span = max(sum(span([(r[2], r[3]) for r in rs]) for rs in by_file.values())
                         for row in self.ranges for by_file in row)
 
-    def _plan(self) -> None:
-        """plans[m][e]: expert e's `byte_plan.BytePlan` (None: read through the conversion path), one derived per
-        distinct read structure of a layer and checked at once against that path on the layer's first such expert:
-        the same bytes, and the digest taken at offload. `no_plan`: why a layer has none."""
-        self.plans: list[list[BytePlan | None]] = []
-        self.no_plan: dict[int, str] = {}
+    def plan(self) -> None:
+        """Derive `plans[m][e]`, expert e's `byte_plan.BytePlan` (None: read through the conversion path), once: one
+        per distinct read structure of a layer, checked at once against that path on the layer's first such expert
+        (the same bytes, and the digest taken at offload); `no_plan`: why a layer has none. Called by a disk engine
+        asked for direct reads, so the default path pays nothing for it."""
+        if self.plans is not None:
+            return
+        plans: list[list[BytePlan | None]] = []
         buf = aligned_buffer(self.span)
         for m in range(self.num_moe_layers):
             known: dict[tuple, BytePlan | None] = {}
@@ -112,7 +114,8 @@ class DiskStore(SafetensorsStore):
                 if key not in known:
                     known[key] = self._checked_plan(m, e, buf)
                 row.append(known[key])
-            self.plans.append(row)
+            plans.append(row)
+        self.plans = plans
 
     def _checked_plan(self, m: int, e: int, buf) -> BytePlan | None:
         ref = self.fetch(m, e).tensors()  # the conversion path, digest-checked
@@ -133,8 +136,8 @@ class DiskStore(SafetensorsStore):
     def read_into(self, m: int, e: int, spec, regions: dict) -> bool:
         """Expert e of MoE layer m read with O_DIRECT straight into regions (a slot's bytes: `DeviceSlots.regions`)
         by its byte plan, and refused unless it hashes to its digest; False (nothing read) where it has no plan or
-        the regions are not its tensors: the caller then reads it through `fetch`."""
-        plan = self.plans[m][e] if spec is None else None
+        the regions are not its tensors, or `plan()` was not called: the caller then reads it through `fetch`."""
+        plan = self.plans[m][e] if spec is None and self.plans is not None else None
         if plan is None or not plan.fits(regions):
             return False
         try:
@@ -195,6 +198,8 @@ class DiskEngine(TransferEngine):
         self.dead: str | None = None
         self._writer = SlotWriter(store, slots, direct)
         self._disk = getattr(store, "base", store)
+        if direct and hasattr(self._disk, "plan"):
+            self._disk.plan()  # the byte plans, derived and checked before the first read
         self._cuda = slots.device.type == "cuda"
         self._queue: collections.deque[Transfer] = collections.deque()
         self._running: set[Transfer] = set()

@@ -31,6 +31,7 @@ def test_every_expert_lands_as_the_plain_model_holds_it(name):
     model, _ = load_model(name)
     a = adapt(model)
     store = DiskStore.open(a, model_dir(name))
+    store.plan()
     assert store.no_plan == {} and store.describe() == f"disk O_DIRECT ({model_dir(name)})"
     for m in range(a.num_moe_layers):
         for e in range(a.num_experts):
@@ -48,7 +49,7 @@ def _file_plan(tmp_path, src: torch.Tensor, how: int, dtype: torch.dtype):
     path = tmp_path / "w.bin"
     path.write_bytes(b"\0" * 100 + data)
     ranges = {path: [("w", None, 100, len(data), src.dtype, tuple(src.shape))]}
-    plan = BytePlan(copies=(("w", 0, 0, 0, src.numel(), how),), headers=(("w", b"w;"),), structure=(),
+    plan = BytePlan(copies=(("w", 0, 0, 0, src.numel(), how),), headers=(("w", b"w;"),),
                     tensors=(("w", dtype, src.numel() * dtype.itemsize),))
     out = {"w": (np.zeros(src.numel() * dtype.itemsize, dtype=np.uint8), dtype)}
     assert plan.fits(out)
@@ -101,6 +102,7 @@ def test_a_transposed_layout_keeps_the_conversion_path_and_says_so(tmp_path, tin
         model.save_pretrained(tmp_path / family)
         a = adapt(model)
         store = DiskStore.open(a, tmp_path / family)
+        store.plan()
         assert (store.no_plan == {}) == planned, (family, store.no_plan)
         if not planned:
             assert "read through transformers' conversion" in store.describe()
