@@ -182,7 +182,8 @@ def _dequant_s(w) -> float:
 
 def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, quant: str | None = None,
                       name: str = "this machine", link: str | None = None,
-                      layer_compute_s: float | None = None, link_profile: LinkProfile | None = None) -> ComputeProfile:
+                      layer_compute_s: float | None = None, link_profile: LinkProfile | None = None,
+                      quick: bool = False) -> ComputeProfile:
     """A `ComputeProfile` measured from the runtime itself: every expert resident, instant link, timeline on.
 
     Decode figures are medians over the decode steps. A prefill runs other code (rows gathered per expert, masks, the
@@ -194,6 +195,8 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
     run, so a run that moves nothing (all experts resident) is predicted at the resident speed. `link_profile`: the
     link the simulator will be given (default: the runtime's), against which each transfer's overshoot is measured.
     Give a prompt as long as the longest prefills to be predicted: the lines are fits between the two lengths.
+    quick: one round of the disk's contention trials instead of `fit.contention.ROUNDS` (FAST mode: a rougher
+    profile, about 25 s sooner on the embedded models).
     """
     from fate_lab.model.adapters import adapt
     from fate_lab.offloading.runtime import offload
@@ -297,10 +300,10 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
         landed = max(0.0, (dense_part - L * dense_s) / per)
     disk: dict = {}
     if link == "disk":  # the readers' host work and their contention with compute, each measured on its own
-        from fate_lab.fit.contention import measure_contention
+        from fate_lab.fit.contention import ROUNDS, measure_contention
 
         lp = link_profile if link_profile is not None else rt2.link
-        con = measure_contention(model, prompt_ids, depth=lp.queue_depth)
+        con = measure_contention(model, prompt_ids, depth=lp.queue_depth, rounds=1 if quick else ROUNDS)
         disk = {"read_host_s": con.host_line(lp.latency, lp.bandwidth, busy=False),
                 "read_host_busy_s": con.host_line(lp.latency, lp.bandwidth, busy=True), "reader_slowdown": con.slowdown,
                 "reader_overlap": con.overlap,

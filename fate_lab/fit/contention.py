@@ -135,8 +135,8 @@ def _trial(rt, pairs, model, ids, readers: int, compute: bool, phase: str = "dec
     return [x for r in reads for x in r[2:]], calls, other
 
 
-def _measure(model, ids, preset: str, kinds: list[tuple]) -> tuple[dict, int]:
-    """Each (readers, compute[, phase]) trial's results over ROUNDS interleaved rounds, with `preset`'s every expert
+def _measure(model, ids, preset: str, kinds: list[tuple], rounds: int = ROUNDS) -> tuple[dict, int]:
+    """Each (readers, compute[, phase]) trial's results over `rounds` interleaved rounds, with `preset`'s every expert
     resident read back into its own slot (the same bytes, at the slot's precision); and the bytes of one read."""
     from fate_lab.core.config import OffloadConfig
     from fate_lab.offloading.runtime import offload
@@ -150,7 +150,7 @@ def _measure(model, ids, preset: str, kinds: list[tuple]) -> tuple[dict, int]:
             raise RuntimeError("no expert is resident after an all-resident offload (a bug)")
         nbytes = rt.core.shape.nbytes(pairs[0][3])
         _trial(rt, pairs, model, ids, 1, True)  # warm-up: first forwards allocate, first reads fault in
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for k in kinds:
                 samples.setdefault(k, []).append(_trial(rt, pairs, model, ids, *k))
     return samples, nbytes
@@ -194,16 +194,20 @@ def _check_memory(model) -> None:
             "model that fits (fate_lab.study.whatif.machine_hardware on a smaller model of the family)")
 
 
-def measure_contention(model, prompt_ids: torch.Tensor, depth: int = 2) -> Contention:
+def measure_contention(model, prompt_ids: torch.Tensor, depth: int = 2, rounds: int = ROUNDS) -> Contention:
     """Measure `Contention` on this machine for `model` (loaded from its checkpoint folder, which the reads use)
-    with up to `depth` reader threads (the disk link's queue depth). Torch's thread count is the caller's."""
+    with up to `depth` reader threads (the disk link's queue depth), each trial repeated in `rounds` interleaved
+    rounds (1: a rougher profile in a quarter of the time, what FAST mode asks). Torch's thread count is the
+    caller's."""
     if depth < 1:
         raise ValueError(f"depth={depth!r}: give at least one reader thread")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds!r}: give at least one round of the trials")
     _check_memory(model)
     ids = prompt_ids[:, :PREFILL_TOKENS]
     kinds = [(0, True), (1, False)] + [(r, True) for r in range(1, depth + 1)]
     kinds += [(r, True, "prefill") for r in range(depth + 1)] + ([(depth, False)] if depth > 1 else [])
-    full, nbytes = _measure(model, ids, "lru", kinds)
+    full, nbytes = _measure(model, ids, "lru", kinds, rounds)
     med = statistics.median
 
     def reads(k):
@@ -224,6 +228,6 @@ def measure_contention(model, prompt_ids: torch.Tensor, depth: int = 2) -> Conte
         slowdown_prefill_dense=tuple(max(1.0, part((r, True, "prefill"), 2) / p_other) for r in range(1, depth + 1)))
     if not _packable(model):
         return out
-    packed, pbytes = _measure(model, ids, "lru_quant", [(1, False), (1, True)])
+    packed, pbytes = _measure(model, ids, "lru_quant", [(1, False), (1, True)], rounds)
     return dataclasses.replace(out, packed_idle_s=med([x for r in packed[1, False] for x in r[0]]),
                                packed_busy_s=med([x for r in packed[1, True] for x in r[0]]), packed_nbytes=pbytes)

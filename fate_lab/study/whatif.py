@@ -43,11 +43,12 @@ def checkpoint_expert_bytes(file) -> float:
     return sum(header[k]["data_offsets"][1] - header[k]["data_offsets"][0] for k in keys) / experts
 
 
-_calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {(link, quant): (Hardware, layer_s)}
+# model -> {(link, quant): (Hardware, layer_s, quick)}
+_calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3",
-                     fresh: bool = False, quant: str | None = None) -> tuple[Hardware, float]:
+                     fresh: bool = False, quant: str | None = None, quick: bool = False) -> tuple[Hardware, float]:
     """(Hardware, layer seconds) of this machine running `model` with the emulated `link` (or "disk": this machine's
     disk, measured now with O_DIRECT reads of the model's checkpoint): the run's one clock (`clock.machine_clock`,
     threads pinned) scales the runtime's link and the simulator's alike; the compute profile is calibrated once per
@@ -56,14 +57,15 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3",
     what `lru_quant` and `fate_quant` run): predict a quantized preset with the profile of its own quant, since
     computing from packed slots slows the rest of the layer too (the dense part and the call's bookkeeping, measured
     on `tiny_moe`: 890 against 773 us, 80 against 68 us), which a full-precision calibration plus the dequantize
-    timed alone misses (docs/disk.md)."""
+    timed alone misses (docs/disk.md). quick: a rougher calibration for FAST mode (one round of the disk's
+    contention trials); a full one already made is reused, a quick one is never reused for a full one."""
     from tqdm.auto import tqdm
 
     from fate_lab.study.clock import machine_clock, pinned
 
     per_model = _calibrated.setdefault(model, {})
     key = (link, quant)
-    if key not in per_model or fresh:
+    if key not in per_model or fresh or (per_model[key][2] and not quick):
         disk = _measured_disk(model) if link == "disk" else None
         with tqdm(total=2, desc="calibrating this machine", unit="step", leave=False) as bar:
             layer_s = machine_clock(model).layer_s
@@ -72,13 +74,13 @@ def machine_hardware(model, tokenizer, link: str = "qwen15_moe_rtx3090_pcie3",
             timed = None if link == "instant" else link  # every other link is emulated on a CPU
             with pinned():
                 compute = calibrate_compute(model, ids, link=timed, layer_compute_s=layer_s, link_profile=disk,
-                                            quant=quant)
+                                            quant=quant, quick=quick)
             bar.update()
         hw = dataclasses.replace(run_hardware(link, layer_s), compute=compute)
         if disk is not None:
             hw = dataclasses.replace(hw, link=disk)
-        per_model[key] = (hw, layer_s)
-    return per_model[key]
+        per_model[key] = (hw, layer_s, quick)
+    return per_model[key][:2]
 
 
 def _measured_disk(model) -> "LinkProfile":

@@ -180,7 +180,7 @@ def test_the_readers_overlap_is_measured_as_reads_per_second_of_two_over_one(mon
 
     # fake trials: one reader alone reads in 1 ms, two readers alone each in 1.25 ms (1.6x the reads per second);
     # every other figure 1, so the slow-downs are 1
-    def fake_measure(model, ids, preset, kinds):
+    def fake_measure(model, ids, preset, kinds, rounds=contention.ROUNDS):
         out = {k: [([1.25e-3] if k == (2, False) else [1e-3], 1.0, 1.0)] for k in kinds}
         return out, 1000
 
@@ -190,3 +190,23 @@ def test_the_readers_overlap_is_measured_as_reads_per_second_of_two_over_one(mon
     ids = torch.zeros(1, 4, dtype=torch.long)
     assert contention.measure_contention(None, ids, depth=2).overlap == pytest.approx(1.6)
     assert contention.measure_contention(None, ids, depth=1).overlap == 1.0
+
+
+def test_the_contention_trials_run_the_rounds_asked_for(monkeypatch):
+    from fate_lab.fit import contention
+
+    rounds_seen = []
+
+    def fake_measure(model, ids, preset, kinds, rounds=contention.ROUNDS):
+        rounds_seen.append(rounds)
+        return {k: [([1e-3], 1.0, 1.0)] * rounds for k in kinds}, 1000
+
+    monkeypatch.setattr(contention, "_measure", fake_measure)
+    monkeypatch.setattr(contention, "_check_memory", lambda model: None)
+    monkeypatch.setattr(contention, "_packable", lambda model: True)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    contention.measure_contention(None, ids, depth=2, rounds=1)
+    contention.measure_contention(None, ids, depth=2)
+    assert rounds_seen == [1, 1, contention.ROUNDS, contention.ROUNDS]  # the full trials, then the packed reads
+    with pytest.raises(ValueError, match="rounds=0"):
+        contention.measure_contention(None, ids, rounds=0)

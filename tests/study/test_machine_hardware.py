@@ -13,8 +13,8 @@ from fate_lab.study import clock, whatif
 def test_calibrated_once_per_link_and_quant(monkeypatch):
     calls = []
 
-    def fake_calibrate(model, ids, link=None, layer_compute_s=None, link_profile=None, quant=None):
-        calls.append(quant)
+    def fake_calibrate(model, ids, link=None, layer_compute_s=None, link_profile=None, quant=None, quick=False):
+        calls.append(quant if not quick else f"{quant} quick")
         return ComputeProfile(f"stub quant={quant}", 1e-3, 0.0, 1e-4, 0.0, 0.0, 0.0)
 
     monkeypatch.setattr(whatif, "calibrate_compute", fake_calibrate)
@@ -30,6 +30,13 @@ def test_calibrated_once_per_link_and_quant(monkeypatch):
     assert calls == [None, "fate"]
     whatif.machine_hardware(model, None, "instant", fresh=True, quant="fate")
     assert calls == [None, "fate", "fate"]
+    # FAST mode's quick calibration reuses a full one; a quick one is never reused for a full one
+    assert whatif.machine_hardware(model, None, "instant", quick=True)[0] is full
+    other = torch.nn.Linear(1, 1)
+    rough, _ = whatif.machine_hardware(other, None, "instant", quick=True)
+    assert whatif.machine_hardware(other, None, "instant", quick=True)[0] is rough
+    assert whatif.machine_hardware(other, None, "instant")[0] is not rough
+    assert calls == [None, "fate", "fate", "None quick", None]
 
 
 def test_each_config_predicted_from_the_hardware_of_its_precision(monkeypatch):
