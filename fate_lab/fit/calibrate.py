@@ -309,6 +309,12 @@ def calibrate_compute(model, prompt_ids: torch.Tensor, new_tokens: int = 24, qua
                 "reader_overlap": con.overlap,
                 "reader_slowdown_dense": con.slowdown_dense, "reader_slowdown_prefill": con.slowdown_prefill,
                 "reader_slowdown_prefill_dense": con.slowdown_prefill_dense}
+        # the prefill's predictions beside the readers, as the cold prefill above timed them (its readers ran
+        # throughout): a few whole-tensor ops, slowed less than the calls' many small pieces (0.6-2.9 against 2.1
+        # ms charged at the calls' figure on tiny_moe, 2026-12-06); the other predictors' prefills are charged alike
+        alone = prefill.get("predict_prefill_s", predict_s) + predict_tok * (T - 1)  # the gate's prediction, alone
+        if pred2[:M - 1] and alone > 0:
+            disk["reader_slowdown_predict_prefill"] = (max(1.0, med(pred2[:M - 1]) / alone),)
         extra, demand_extra, busy, landed = 0.0, None, 1.0, 0.0  # what the disk model replaces
         # the compute thread's own work per read (queueing it, reserving and freeing its slot, waking on it), from
         # the cold prefill above, where the readers were busy throughout: what its calls took beyond their experts,

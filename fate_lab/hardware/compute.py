@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-_SLOWDOWNS = ("reader_slowdown", "reader_slowdown_dense", "reader_slowdown_prefill", "reader_slowdown_prefill_dense")
+_SLOWDOWNS = ("reader_slowdown", "reader_slowdown_dense", "reader_slowdown_prefill", "reader_slowdown_prefill_dense",
+              "reader_slowdown_predict_prefill")
 _OPTIONAL = ("demand_extra_s", "dense_prefill_s", "expert_prefill_s", "call_prefill_s", "predict_prefill_s")
 
 
@@ -60,6 +61,8 @@ class ComputeProfile:
     reader_slowdown_dense: tuple[float, ...] = ()  # ... of the dense layers (empty: reader_slowdown's)
     reader_slowdown_prefill: tuple[float, ...] = ()  # ... of a prefill's experts calls (empty: the decode figures)
     reader_slowdown_prefill_dense: tuple[float, ...] = ()  # ... of a prefill's dense layers
+    reader_slowdown_predict_prefill: tuple[float, ...] = ()  # ... of a prefill's predictions (empty: its experts
+    # calls'): one figure, measured in the calibration's cold prefill over the disk, where the readers ran throughout
     # a multi-token step (a prefill) runs other code than a decode step (rows gathered per expert, masks, the
     # KV cache begun): its pieces' times at 1 token, the intercepts of lines fitted through two prefill lengths
     # (None: the decode figure, the line through it and one prefill)
@@ -128,14 +131,16 @@ class ComputeProfile:
         per_read, per_byte = (self.read_host_busy_s if busy else self.read_host_s) or (0.0, 0.0)
         return per_read + per_byte * nbytes
 
-    def slowdown(self, readers: int, dense: bool = False, prefill: bool = False) -> float:
+    def slowdown(self, readers: int, dense: bool = False, prefill: bool = False, predict: bool = False) -> float:
         """The compute thread's slow-down with `readers` reader threads busy (the deepest measured beyond it), of a
-        dense layer or of an experts call's piece, in a decode step or a prefill (where measured apart)."""
+        dense layer or of an experts call's piece (`predict`: a prediction), in a decode step or a prefill (where
+        measured apart)."""
         f = self.reader_slowdown
         if dense:
             f = self.reader_slowdown_dense or f
         if prefill:
-            f = (self.reader_slowdown_prefill_dense if dense else ()) or self.reader_slowdown_prefill or f
+            f = ((self.reader_slowdown_prefill_dense if dense else ())
+                 or (self.reader_slowdown_predict_prefill if predict else ()) or self.reader_slowdown_prefill or f)
         if readers <= 0 or not f:
             return 1.0
         return f[min(readers, len(f)) - 1]

@@ -193,10 +193,10 @@ class SimMover:
         """Simulated transfers never fail."""
         raise RuntimeError("a simulated transfer cannot fail")
 
-    def stretch(self, work: float, dense: bool = False) -> None:
-        """Move the compute thread's clock over `work` seconds of compute (a dense layer's, or an experts call's piece),
-        slowed by the readers busy meanwhile (the disk model: min(queue depth, reads queued or running) readers,
-        `ComputeProfile.slowdown`); otherwise plain."""
+    def stretch(self, work: float, dense: bool = False, predict: bool = False) -> None:
+        """Move the compute thread's clock over `work` seconds of compute (a dense layer's, or an experts call's piece;
+        `predict`: a prediction), slowed by the readers busy meanwhile (the disk model: min(queue depth, reads queued
+        or running) readers, `ComputeProfile.slowdown`); otherwise plain."""
         if not self.disk:
             self.clock.now += work
             return
@@ -206,7 +206,7 @@ class SimMover:
             self._advance()  # reads the disk reaches meanwhile start, beside compute
             running = self.entries[0] > t
             readers = min(self.link.queue_depth, len(self.queue) + running)
-            f = self.compute.slowdown(readers, dense, prefill=self.rec.phase == "prefill")
+            f = self.compute.slowdown(readers, dense, prefill=self.rec.phase == "prefill", predict=predict)
             if not running or t + rest * f <= self.entries[0]:
                 t += rest * f
                 break
@@ -284,11 +284,11 @@ class Simulator:
         for m, _e, slot in self.core.preload():  # all_resident: marked resident before the first token, nothing moves
             self.mover.slot_spec[slot] = self.core.spec(m, "cache")  # at the cache's precision, as the runtime loads
 
-    def compute(self, seconds: float) -> None:
-        """The compute thread computes for `seconds` (its time alone): slowed by the disk's readers as they run (the
-        disk model, `SimMover.stretch`), else by `ComputeProfile.busy_factor` if the link is busy as it starts."""
+    def compute(self, seconds: float, predict: bool = False) -> None:
+        """The compute thread computes for `seconds` (its time alone; `predict`: a prediction): slowed by the disk's
+        readers as they run (the disk model, `SimMover.stretch`), else by `busy_factor` if the link is busy now."""
         if self.mover.disk:
-            self.mover.stretch(seconds)
+            self.mover.stretch(seconds, predict=predict)
             return
         f = self.hw.compute.busy_factor
         self.clock.now += seconds * (f if f != 1.0 and self.mover.busy() else 1.0)
@@ -324,7 +324,7 @@ class Simulator:
             def timed(fn, m=m):
                 p0 = clock.now
                 out = fn()
-                self.compute(comp.predict(T, self.config.prefetch.predictor))
+                self.compute(comp.predict(T, self.config.prefetch.predictor), predict=True)
                 rec.event("predict", m, -1, p0, clock.now)
                 return out
 

@@ -136,6 +136,27 @@ def test_a_prefill_takes_the_prefill_slowdowns_and_a_decode_step_the_decode_ones
     assert only_calls.clock.now == pytest.approx(1e-3)
 
 
+def test_a_prefills_prediction_takes_its_own_measured_slowdown_and_a_decode_ones_the_calls():
+    # one figure for a prefill's predictions (the calibration's cold prefill measured them beside its readers),
+    # whatever the readers busy; a decode step's predictions, and a prefill's without the figure, take the calls'
+    link = _mover(**DISK, reader_slowdown_prefill=(4.0, 5.0), reader_slowdown_predict_prefill=(1.5,))
+    link.rec.phase = "prefill"
+    link.submit(0, 0, 0, urgent=False, reason="prefetch")  # runs 0-3.5 ms
+    link.submit(0, 1, 1, urgent=False, reason="prefetch")  # queued: two readers busy
+    link.stretch(1e-3, predict=True)  # 1.5x, not the calls' 5x: 1.5 ms
+    assert link.clock.now == pytest.approx(1.5e-3)
+    link.stretch(0.1e-3)  # an experts piece beside two readers: 5x, 2 ms
+    assert link.clock.now == pytest.approx(2e-3)
+    link.rec.phase = "decode"
+    link.stretch(0.1e-3, predict=True)  # a decode prediction: the decode calls' 3x, 2.3 ms
+    assert link.clock.now == pytest.approx(2.3e-3)
+    without = _mover(**DISK, reader_slowdown_prefill=(4.0, 5.0))
+    without.rec.phase = "prefill"
+    without.submit(0, 0, 0, urgent=False, reason="prefetch")  # one reader busy
+    without.stretch(0.5e-3, predict=True)  # the prefill calls' 4x: 2 ms
+    assert without.clock.now == pytest.approx(2e-3)
+
+
 def test_without_readers_busy_compute_runs_at_its_own_pace():
     link = _mover()
     link.stretch(4e-3)
@@ -144,6 +165,8 @@ def test_without_readers_busy_compute_runs_at_its_own_pace():
 
 @pytest.mark.parametrize("bad, match", [(dict(read_host_s=(1e-4, 0.0)), "without reader_slowdown"),
                                         (dict(read_host_s=(1e-4, 0.0), reader_slowdown=(0.5,)), "reader_slowdown"),
+                                        (dict(read_host_s=(1e-4, 0.0), reader_slowdown=(2.0,),
+                                              reader_slowdown_predict_prefill=(0.5,)), "predict_prefill"),
                                         (dict(read_host_s=(-1.0, 0.0), reader_slowdown=(2.0,)), "read_host_s"),
                                         (dict(read_host_s=1e-4, reader_slowdown=(2.0,)), "per read, seconds per")])
 def test_a_disk_model_profile_that_cannot_hold_is_refused(bad, match):
