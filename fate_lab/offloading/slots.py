@@ -308,6 +308,7 @@ class SlotWriter:
     def __init__(self, store: HostStore, slots: DeviceSlots, direct: bool = False):
         """direct: read straight into a slot's bytes where the store can (`OffloadConfig(direct_reads=True)`)."""
         self.store, self.slots, self.direct = store, slots, direct
+        self._fp_nbytes = slots.fp_nbytes()  # a slot's size never changes; asked at every submit (1.9 us to sum)
 
     def write(self, m: int, e: int, slot: int, spec: QuantSpec | None, non_blocking: bool) -> None:
         """Move (m, e) at spec into slot: with `direct`, straight into the slot's bytes where the store can read it so
@@ -320,4 +321,4 @@ class SlotWriter:
 
     def nbytes(self, m: int, e: int, spec: QuantSpec | None) -> int:
         """Bytes a transfer of (m, e) at spec moves: full precision, or the packed size."""
-        return self.slots.fp_nbytes() if spec is None else self.store.nbytes_at(m, e, spec)
+        return self._fp_nbytes if spec is None else self.store.nbytes_at(m, e, spec)
