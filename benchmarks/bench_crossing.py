@@ -5,9 +5,11 @@ the runtime calls it from Python a few times per experts call (begin, acquire, d
 argument at each such call; this measures what that costs, so the state's layout can be chosen before the refactor:
 one int64 matrix per layer, five separate arrays (how `policy/compiled.CompiledPolicy` passes a policy's state
 today), or one jitclass instance. Beside them: an empty call, a begin-like classification of a call's experts, and
-today's `CompiledPolicy.access` as the runtime calls it. Each figure is the median (and range) over `--repeats`
-timings of the mean of `--calls` calls, on one thread. The runtime's budget for all of its bookkeeping is 100 us per
-experts call (`bench_host_path.py`; `lru` measured 71 us).
+today's `CompiledPolicy.access` as the runtime calls it; and, for scale, the same state read without compiled code:
+one element of the matrix read from Python (what the cache would pay per look-up if the matrix came before the
+compiled steps that read it) and a membership test of the dict the cache keeps today. Each figure is the median
+(and range) over `--repeats` timings of the mean of `--calls` calls, on one thread. The runtime's budget for all of
+its bookkeeping is 100 us per experts call (`bench_host_path.py`; `lru` measured 71 us).
 
     python -m benchmarks.bench_crossing --out benchmarks/results/crossing_$(date +%F).md
 """
@@ -78,6 +80,7 @@ def cases() -> dict:
     arrays = [np.zeros(E, np.int64) for _ in range(5)]
     layer = _Layer(E)
     needed, out = np.array([3, 17, 40, 5], np.int64), np.zeros(8, np.int64)
+    where = {e: e for e in range(16)}
     policy = policy_from_name("lru", 16, E)
     for e in range(16):
         policy.admit(e)
@@ -86,7 +89,9 @@ def cases() -> dict:
              "five int64 arrays [E] and an int (as CompiledPolicy passes its state)": lambda: _five_arrays(*arrays, 5),
              "one jitclass instance and an int": lambda: _on_jitclass(layer, 5),
              "a begin-like classification: the matrix and two small arrays": lambda: _classify(state, needed, out),
-             "CompiledPolicy.access of a resident expert (lru), as the runtime calls it": lambda: policy.access(5)}
+             "CompiledPolicy.access of a resident expert (lru), as the runtime calls it": lambda: policy.access(5),
+             "no compiled code: one element of the matrix read from Python": lambda: state[0, 5] >= 0,
+             "no compiled code: an id looked up in a dict (the cache's state today)": lambda: 5 in where}
     for f in calls.values():
         f()
     return calls

@@ -24,7 +24,9 @@ FATE_LAB_HOST_GHZ = 2.6  # the core clock of the CPU those were measured on: "AM
 # EPYC 9004), 2596 MHz in /proc/cpuinfo. That host time is one thread of Python and torch dispatch, so on another host
 # it is scaled by the clock ratio, FATE_LAB_HOST_GHZ / ghz (`host_time`), with the host's all-core clock from
 # host_specs.py. Stated assumption: equal work per cycle (IPC); Zen 3/4 and Ice Lake-Sapphire Rapids cores differ by
-# less than 20% per clock, an Arm Cortex-A78 core more (not measured here).
+# less than 20% per clock, an Arm Cortex-A78 core more (not measured here). Measured against it (2026-12-06,
+# benchmarks/results/host_path_2026-12-06.md): on a KVM guest "Intel Xeon" (family 6 model 167) at the same 2.6 GHz
+# every call took twice as long, the measuring commit's code alike, so a clock alone can miss a host by 2x.
 
 
 def host_time(seconds: float, ghz: float | None, measured_ghz: float = FATE_LAB_HOST_GHZ) -> float:

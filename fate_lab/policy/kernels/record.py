@@ -13,7 +13,9 @@ compiled for the policy, `fate_lab/sim/fast/driver.py`). Every function takes th
                                                    for a policy that reads it; else a [0, 1] array)
     admit(I, F, S, G, R, E, e, prot) -> int        insert the non-resident e: -1 (nothing evicted), the evicted id,
                                                    or e itself (nothing may be evicted: e is not cached); prot[x]
-                                                   != 0 marks the ids that must stay
+                                                   != 0 marks the ids that must stay. With fewer than cap ids
+                                                   resident it evicts nothing and reads no prot (`CompiledPolicy`
+                                                   then passes none; tests check every registered policy)
     access(I, F, S, G, R, E, e)                    a further use of the resident e
     observe(I, F, S, G, R, E, probs, n)            the router's probabilities of the E experts, averaged over a
                                                    call's n tokens, before the call's uses (``needs_scores``)
