@@ -128,7 +128,7 @@ class CompiledPolicy(ReplacementPolicy):
 
     def _admit(self, st: State, e: int, protect) -> int:
         prot = self._prot
-        if not protect or (st is self._st and len(self._res) < self.capacity):
+        if not protect or len(self._res) < self.capacity:  # (`victim` never gets here with room)
             # with room no registered policy evicts, so the protect set cannot matter (tests/policy/
             # test_compiled_policies.py checks every policy): skip marking it, ~1-4 us per admit of a cold cache
             return self.record.admit(st.I, st.F, st.S, st.G, st.R, self.E, e, prot)
