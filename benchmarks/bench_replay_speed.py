@@ -206,7 +206,7 @@ def speed_table(name, ex, phase, E, preds, n_pure) -> list[str]:
     return out
 
 
-def public_table(quick: bool) -> list[str]:
+def public_table(quick: bool, policies: list[str] = POLICIES) -> list[str]:
     """The public calls as the docs show them, on the real-size array, beside the kernel alone and OrderedDict.
 
     `replay(ex, slots_per_layer=..., policy=...)` and `sweep(...)` take the numpy array as a user has it: their
@@ -230,7 +230,7 @@ def public_table(quick: bool) -> list[str]:
            "| policy | replay() public | kernel alone | public / kernel (wall) | public / OrderedDict LRU (wall) "
            "| replay(n_jobs=-1) | its / OrderedDict LRU |",
            "|---|---|---|---|---|---|---|"]
-    for pol in POLICIES:
+    for pol in policies:
         pub = rate(lambda pol=pol: replay(ex, slots_per_layer=cap, policy=pol), lookups)
         ker = rate(lambda pol=pol: replay_jobs_fast(ex, None, policy=pol, **jobs), lookups)
         par = rate(lambda pol=pol: replay(ex, slots_per_layer=cap, policy=pol, n_jobs=-1), lookups)
@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--no-curves", action="store_true", help="skip the miss curves")
     ap.add_argument("--public-only", action="store_true",
                     help="only the public calls' table (replay, sweep) on the real-size array: a few minutes")
+    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES, metavar="NAME",
+                    help="the policies of the public calls' table (default: every one a bare array can run)")
     args = ap.parse_args(argv)
     from fate_lab.sim.fast_replay import replay_jobs_fast
     from fate_lab.sim.replay import miss_curves
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> str:
              "time, no protection of the current token (S3-FIFO only from 20 slots, where libCacheSim's small queue "
              "holds 2 objects). The real-size array is built from tiny_deepseek's routing (benchmarks/real_size.py).",
              ""]
-    lines += public_table(args.quick)
+    lines += public_table(args.quick, args.policies)
     for w in ([] if args.public_only else workloads(args.quick)):
         lines += speed_table(*w)
     if not args.no_curves and not args.public_only:

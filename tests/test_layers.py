@@ -17,6 +17,7 @@ def test_import_contracts_are_kept():
 
 
 def test_no_module_is_much_over_400_lines():
-    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in (ROOT / "fate_lab").rglob("*.py")}
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in (ROOT / "fate_lab").rglob("*.py")
+             if "__pycache__" not in p.parts}  # (the replay's per-policy files are written there: generated text)
     big = {p: n for p, n in sizes.items() if n > 420}
     assert not big, f"modules over ~400 lines (split them by idea): {big}"

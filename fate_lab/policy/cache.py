@@ -1,11 +1,14 @@
 """The one expert cache: the per-layer slot state machine that every driver shares.
 
 What this file is: `ExpertCache`, the bookkeeping of which expert of which MoE layer sits in
-which device slot, written once and driven three ways -- by the runtime (`runtime.py`, real
-transfers on an engine thread or a CUDA stream), by the replay (`replay.py`, transfers that
-land at once) and by the timed simulator (`simulate.py`, a simulated link and clock). A
-driver implements the small `Mover` protocol below; the cache never touches a tensor, a
-thread or a clock. If two drivers disagree on the same trace, that is a bug (tests say so).
+which device slot, driven three ways -- by the runtime (`runtime.py`, real transfers on an
+engine thread or a CUDA stream), by the replay (`replay.py`, transfers that land at once) and by
+the timed simulator (`simulate.py`, a simulated link and clock). A driver implements the small
+`Mover` protocol (`cache_state.py`); the cache never touches a tensor, a thread or a clock.
+The rules themselves are `cache_core.py`'s functions, which this class runs as Python; the fast
+replay runs the same functions compiled (`sim/fast/`), so there is one state machine. What stays
+here: the mover's Python objects, the stats objects, the host placement and lossy plan (Python
+callables turned into flags before a step), stealing other layers' staging slots, the slot audit.
 
 Slots are plain ints. Layout (`ExpertCache.num_slots` in all):
   [cache slots of layer 0 | layer 1 | ... | top_k demand slots | prefetch pool A | pool B]
@@ -43,13 +46,17 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from fate_lab.policy.cache_state import HOST, LayerState, Mover, _Inflight, _Pool
-from fate_lab.policy.lossy import LOWP
+from fate_lab.policy import cache_core as core
+from fate_lab.policy import cache_steps as steps
+from fate_lab.policy.cache_core import HASPRED, HOST, MISSING, NEED_STEAL, NO_PLAN, NUSED, Pools
+from fate_lab.policy.cache_state import LayerState, Mover, Pool, items
+from fate_lab.policy.compiled import DEFAULT_IDS
 from fate_lab.policy.placement import HostPlacement
 from fate_lab.policy.replacement import ReplacementPolicy
 from fate_lab.policy.stats import PHASES, PhaseStats
 
 __all__ = ["HOST", "ExpertCache", "LayerState", "Mover"]
+_POOLS = ("demand", "prefetch A", "prefetch B")
 
 
 class ExpertCache:
@@ -68,19 +75,45 @@ class ExpertCache:
         self.placement = placement
         self.stats = stats if stats is not None else [{p: PhaseStats() for p in PHASES} for _ in slots_per_layer]
         self.phase = "prefill"
+        policies = [policy(m, c) for m, c in enumerate(slots_per_layer)]
+        self.E = max([getattr(p, "E", DEFAULT_IDS) for p in policies], default=1)  # the id bound of the state
         self.layers: list[LayerState] = []
         base = 0
-        for m, c in enumerate(slots_per_layer):
-            self.layers.append(LayerState(list(range(base, base + c)), policy(m, c)))
+        for m, (c, pol) in enumerate(zip(slots_per_layer, policies, strict=True)):
+            self.layers.append(LayerState(list(range(base, base + c)), pol, self.E, m % 2))
             base += c
-        self.demand = _Pool("demand", list(range(base, base + top_k)))
-        base += top_k
-        self.prefetch_pools = (_Pool("prefetch A", list(range(base, base + prefetch_buffers))),
-                               _Pool("prefetch B", list(range(base + prefetch_buffers, base + 2 * prefetch_buffers))))
-        self.num_slots = base + 2 * prefetch_buffers
-        self.num_staging = top_k + 2 * prefetch_buffers
-        self._pool_of: dict[int, _Pool] = {s: p for p in (self.demand, *self.prefetch_pools) for s in p.free}
-        self.zombies: list[tuple[int, Any]] = []  # staging slots whose unneeded transfer runs on
+        sizes = (top_k, prefetch_buffers, prefetch_buffers)
+        pfree, pool_of = [], [-1] * (base + sum(sizes))
+        for p, size in enumerate(sizes):
+            pfree.append(list(range(base, base + size)))
+            pool_of[base:base + size] = [p] * size
+            base += size
+        self.num_slots = base
+        self.num_staging = sum(sizes)
+        z = self.num_staging + 1
+        self.pools = Pools(pfree=pfree, pn=list(sizes), pool_of=pool_of, zslots=[0] * z, zhand=[None] * z)
+        # a used staged expert joins the cache (admit on use): fixed per layer, so decided once
+        self._promote = [admit_on_use and cache and c > 0 for c in slots_per_layer]
+
+    # --- views ----------------------------------------------------------------------------
+    @property
+    def demand(self) -> Pool:
+        """The on-demand staging pool (a view)."""
+        return self._pool(0)
+
+    @property
+    def prefetch_pools(self) -> tuple[Pool, Pool]:
+        """The prefetch staging pools of the even and the odd layers (views)."""
+        return self._pool(1), self._pool(2)
+
+    @property
+    def zombies(self) -> list[tuple[int, Any]]:
+        """Staging slots whose unneeded transfer runs on, with the transfer's handle."""
+        n = self.pools.zslots[0]
+        return list(zip(self.pools.zslots[1:n + 1], self.pools.zhand[1:n + 1], strict=True))
+
+    def _pool(self, p: int) -> Pool:
+        return Pool(_POOLS[p], self.pools.pfree[p][:self.pools.pn[p]])
 
     # --- the layer step -----------------------------------------------------------------
     def begin(self, m: int, needed: list[int], counts: dict[int, int] | None = None,
@@ -88,66 +121,25 @@ class ExpertCache:
         """Layer m starts with the distinct experts `needed` (counts[e]: tokens routed to e, for the host
         placement; default 1): returns the order to compute them in (dropped experts are left out).
         miss_plan(misses, resident) -> {e: stand-in or None (drop)} for a lossy decode step."""
-        layer, st = self.layers[m], self.stats[m][self.phase]
-        st.calls += 1
-        self._reap()
-        self._settle(m)
-        needed_set = set(needed)
-        if layer.prediction is not None:  # recall / precision of the prediction made for this call
-            pred = set(layer.prediction)
-            st.predictions += 1
-            st.predicted += len(pred)
-            st.predicted_used += len(pred & needed_set)
-            st.true_used += len(needed_set)
-        layer.prediction = None
-        st.prefetch_useful += len(layer.prefetched & needed_set)
-        st.prefetch_wasted += len(layer.prefetched - needed_set)
-        layer.prefetched = set()
-        self._drop_stale(m, needed_set)
-
-        st.uses += len(needed)
-        ready, host, waiting, missing = [], [], [], []
+        layer = self.layers[m]
+        L, st, n = layer.L, self.stats[m][self.phase], len(needed)
         place = self.placement
-        for e in needed:
-            if e in layer.inflight:
-                waiting.append(e)
-                st.late += 1
-            elif e in layer.staged or e in layer.valid:
-                ready.append(e)
-                st.hits += 1
-                if e in layer.where:
-                    layer.policy.access(e)
-            else:
-                st.misses += 1
-                if place is not None and place.on_host(m, 1 if counts is None else counts[e]):
-                    host.append(e)
-                else:
-                    missing.append(e)
-        st.host += len(host)
-        layer.host = set(host)
-        subst: dict[int, int] = {}
-        lowp: list[int] = []
-        if miss_plan is not None and missing:
-            for e, f in miss_plan(list(missing), layer.resident()).items():
-                missing.remove(e)
-                if f is None:
-                    st.dropped += 1
-                elif f == LOWP:
-                    lowp.append(e)
-                    st.substituted += 1
-                else:
-                    subst[e] = f
-                    st.substituted += 1
-        layer.subst, layer.lowp = subst, set(lowp)
-        # stand-ins first (their slots are certain now), then resident: their compute hides the transfers
-        order = list(subst) + ready + lowp + host + waiting + missing
-        layer.pending = set(order) | set(subst.values())
-        for e in waiting:  # a needed prefetch still queued becomes urgent: it goes before the misses
-            inf = layer.inflight[e]
-            if not inf.urgent and self.mover.cancel(inf.handle):
-                self._submit(m, e, inf.slot, urgent=True, reason=inf.reason)
-        layer.deferred = [e for e in missing if not self._demand(m, e)]
-        return order
+        onhost = None if place is None else [place.on_host(m, 1 if counts is None else counts[e]) for e in needed]
+        cls = [0] * n
+        steps.begin_a(L, self.pools, st, layer.policy, self.E, self.mover, needed, n, onhost, cls)
+        plan = None
+        if miss_plan is not None and MISSING in cls:
+            missing = [needed[i] for i in range(n) if cls[i] == MISSING]
+            answer = miss_plan(missing, layer.resident())
+            if answer:
+                plan = [NO_PLAN] * n
+                for i, e in enumerate(needed):
+                    if cls[i] == MISSING and e in answer:
+                        plan[i] = -1 if answer[e] is None else answer[e]
+        order = [0] * n
+        k = steps.begin_b(L, self.pools, st, layer.policy, self.E, self.mover, m, needed, n, cls, plan, order,
+                         self.cache_enabled)
+        return order if k == n else order[:k]
 
     def prefetch(self, n: int, predicted: list[int], low_count: Callable[[int], int] | None = None) -> int:
         """Queue predicted experts of layer n (most probable first); returns how many transfers were queued.
@@ -155,28 +147,19 @@ class ExpertCache:
         With `link_budget`, at most `link.capacity(n)` transfers; `low_count(k)` of the k queued (the
         least probable) travel for reason "prefill_low" instead of "prefetch" (Fate's INT2 prefill tail).
         """
-        layer, st = self.layers[n], self.stats[n][self.phase]
-        layer.prediction = list(predicted)
+        L = self.layers[n].L
+        L.pred[:] = [len(predicted), *predicted]  # the prediction kept for this layer's next call (recall)
+        L.sc[HASPRED] = 1
         if self.placement is not None and self.placement.layer_on_host(n):
             return 0  # its experts live on the host: nothing to move
         cap = self.mover.capacity(n) if self.link_budget else None
-        protect = frozenset(layer.inflight) | frozenset(predicted)  # a prediction never evicts itself
-        moves: list[tuple[int, int]] = []
-        for e in predicted:
-            if e in layer.inflight or e in layer.valid or e in layer.staged:
-                continue
-            if cap is not None and len(moves) >= cap:
-                break
-            slot = self._reserve(n, e, protect, for_prefetch=True)
-            if slot is None:
-                break  # no slot left for prefetching this layer
-            moves.append((e, slot))
-        n_low = low_count(len(moves)) if low_count is not None and moves else 0
-        for i, (e, slot) in enumerate(moves):
-            self._submit(n, e, slot, urgent=False, reason="prefill_low" if i >= len(moves) - n_low else "prefetch")
-            layer.prefetched.add(e)
-            st.prefetch_issued += 1
-        return len(moves)
+        moves = [0] * len(predicted)
+        k = steps.prefetch(L, self.pools, self.layers[n].policy, self.E, predicted, -1 if cap is None else cap,
+                           self.cache_enabled, self.admit_on_use, moves)
+        if k:
+            n_low = low_count(k) if low_count is not None else 0
+            steps.prefetch_submit(L, self.stats[n][self.phase], self.mover, n, moves, k, n_low)
+        return k
 
     def prefetch_ahead(self, m: int, targets: list[tuple[int, list[int]]],
                        low_count: Callable[[int], int] | None = None) -> int:
@@ -188,51 +171,25 @@ class ExpertCache:
     def acquire(self, m: int, e: int) -> int:
         """The slot of expert e of layer m once its bytes are there (waits; reloads a failed transfer)."""
         layer = self.layers[m]
-        if e in layer.host:
-            return HOST
-        if e in layer.lowp:
-            return LOWP
-        if e in layer.subst:
-            f = layer.subst[e]
-            return layer.staged.get(f, layer.where.get(f))
-        while layer.deferred and self._demand(m, layer.deferred[0]):  # slots freed by computed experts
-            layer.deferred.pop(0)
-        if layer.deferred and layer.deferred[0] == e:  # e is next and still has no slot: make one free
-            layer.deferred.pop(0)
-            if not self._demand(m, e, blocking=True):
-                raise RuntimeError(f"no slot for expert {e} of MoE layer {m} (cache bug)")
-        slot = layer.staged.get(e, layer.where.get(e))
-        inf = layer.inflight.get(e)
-        if inf is not None:
-            ok = self.mover.wait(m, e, inf.handle)
-            del layer.inflight[e]  # only now: a wait left by Ctrl-C keeps it in flight for the next call
-            if not ok:
-                self.stats[m][self.phase].failures += 1
-                self.mover.reload(m, e, slot, inf.reason)
-        if e in layer.where:
-            layer.valid.add(e)
+        st = self.stats[m][self.phase]
+        slot = steps.acquire(layer.L, self.pools, st, layer.policy, self.E, self.mover, m, e, self.cache_enabled, 0)
+        if slot == NEED_STEAL:  # no slot in this layer's reach: take the staging slots other layers' prefetches hold
+            self._steal_staging(m)
+            slot = steps.acquire(layer.L, self.pools, st, layer.policy, self.E, self.mover, m, e, self.cache_enabled,
+                                 1)
         return slot
 
     def done(self, m: int, e: int) -> None:
         """Expert e of layer m has computed: its staging slot is given back, or (admit_on_use) it is cached."""
         layer = self.layers[m]
-        layer.pending.discard(e)
-        if layer.host:
-            layer.host.discard(e)
-        if e in layer.staged and e not in layer.inflight:
-            if self.admit_on_use and self.cache_enabled and layer.cache_slots:
-                self._promote(m, e)
-            else:
-                self._release(layer.staged.pop(e))
+        steps.done(layer.L, self.pools, layer.policy, self.E, e, self._promote[m])
 
     def end(self, m: int) -> None:
         """Layer m's call is over (load-on-demand forgets what it loaded)."""
-        layer = self.layers[m]
-        layer.pending.clear()
-        layer.host.clear()
-        layer.subst, layer.lowp = {}, set()
-        if not self.cache_enabled:
-            layer.valid.clear()
+        L = self.layers[m].L
+        steps.end(L)
+        if not self.cache_enabled and L.sc[NUSED]:  # (without a cache only `preload` makes anything valid)
+            L.valid[:] = [0] * len(L.valid)
 
     # --- accounting ---------------------------------------------------------------------
     def check_slots(self) -> None:
@@ -258,138 +215,33 @@ class ExpertCache:
     def preload(self, m: int, experts: list[int]) -> list[tuple[int, int]]:
         """Mark experts of layer m cached (the caller loads them): returns (expert, slot) pairs."""
         layer, out = self.layers[m], []
-        for e, slot in zip(experts, layer.cache_slots, strict=False):
+        L = layer.L
+        for e in experts:
+            if L.sc[NUSED] >= len(L.cslots):
+                break
+            slot = L.cslots[L.sc[NUSED]]
             layer.policy.admit(e)
-            layer.where[e] = slot
-            layer.valid.add(e)
+            L.where[e], L.valid[e] = slot, 1
+            L.sc[NUSED] += 1
             out.append((e, slot))
         return out
 
     # --- internals ----------------------------------------------------------------------
-    def _pool_for(self, m: int) -> _Pool:
-        return self.prefetch_pools[m % 2]
-
-    def _take_staging(self, m: int, for_prefetch: bool) -> int | None:
-        """A free staging slot: prefetches use their layer's pool, on-demand loads the demand pool first."""
-        pools = (self._pool_for(m),) if for_prefetch else (self.demand, self._pool_for(m))
-        for pool in pools:
-            if pool.free:
-                return pool.free.pop()
-        return None
-
-    def _release(self, slot: int) -> None:
-        self._pool_of[slot].free.append(slot)
-
-    def _reserve(self, m: int, e: int, protect: frozenset, for_prefetch: bool) -> int | None:
-        """A slot for expert e of layer m from its cache or from staging; None if there is none now."""
-        layer = self.layers[m]
-        if e in layer.where:  # reserved earlier but its bytes never arrived (dropped or failed)
-            layer.policy.access(e)
-            return layer.where[e]
-        if self.cache_enabled and layer.cache_slots and not (for_prefetch and self.admit_on_use):
-            victim = layer.policy.admit(e, protect)
-            if victim != e:
-                if victim is None:
-                    slot = layer.free[0]
-                else:
-                    slot = layer.where.pop(victim)
-                    layer.valid.discard(victim)
-                layer.where[e] = slot
-                return slot
-        slot = self._take_staging(m, for_prefetch)
-        if slot is not None:
-            layer.staged[e] = slot
-        return slot
-
-    def _promote(self, m: int, e: int) -> None:
-        """A staged expert that was just used joins layer m's cache; slots swap owners, no bytes move."""
-        layer = self.layers[m]
-        slot = layer.staged.pop(e)
-        victim = layer.policy.admit(e, frozenset(layer.pending) | frozenset(layer.inflight))
-        if victim == e:  # nothing may be evicted: it stays uncached
-            self._release(slot)
-            return
-        if victim is None:
-            freed = layer.free[0]
-        else:
-            freed = layer.where.pop(victim)
-            layer.valid.discard(victim)
-        pool = self._pool_of.pop(slot)
-        layer.cache_slots[layer.cache_slots.index(freed)] = slot
-        self._pool_of[freed] = pool
-        pool.free.append(freed)
-        layer.where[e] = slot
-        layer.valid.add(e)
-
-    def _submit(self, m: int, e: int, slot: int, urgent: bool, reason: str) -> None:
-        h = self.mover.submit(m, e, slot, urgent, reason)
-        self.layers[m].inflight[e] = _Inflight(h, slot, urgent, reason)
-
-    def _demand(self, m: int, e: int, blocking: bool = False) -> bool:
-        """Queue an urgent load of e; False if no slot is free now (blocking: make one free)."""
-        layer = self.layers[m]
-        protect = frozenset(layer.pending) | frozenset(layer.inflight)
-        slot = self._reserve(m, e, protect, for_prefetch=False)
-        if slot is None and blocking:
-            self._reap(wait_in=m)
-            self._steal_staging(m)
-            slot = self._reserve(m, e, protect, for_prefetch=False)
-        if slot is None:
-            return False
-        self._submit(m, e, slot, urgent=True, reason="miss")
-        return True
-
     def _steal_staging(self, m: int) -> None:
         """Free the staging slots other layers' prefetches hold (last resort for an on-demand load)."""
         for n, layer in enumerate(self.layers):
             if n == m:
                 continue
-            for e in list(layer.staged):
-                inf = layer.inflight.pop(e, None)
-                if inf is not None and not self.mover.cancel(inf.handle):
-                    self.mover.wait(m, e, inf.handle)  # layer m waits for it
-                self._release(layer.staged.pop(e))
-                if e in layer.prefetched:
-                    layer.prefetched.discard(e)
+            L = layer.L
+            for e in items(L.stlist):
+                if L.infl[e]:
+                    h = L.handle[e]
+                    L.infl[e] = 0
+                    core.drop(L.inflist, e)
+                    if not self.mover.cancel(h):
+                        self.mover.wait(m, e, h)  # layer m waits for it
+                core.unstage(L, self.pools, e)
+                if L.pref[e]:
+                    L.pref[e] = 0
+                    core.drop(L.preflist, e)
                     self.stats[n][self.phase].prefetch_wasted += 1
-
-    def _settle(self, m: int) -> None:
-        """Absorb the finished transfers of layer m without waiting."""
-        layer = self.layers[m]
-        for e, inf in list(layer.inflight.items()):
-            ok = self.mover.poll(inf.handle)
-            if ok is None:
-                continue
-            del layer.inflight[e]
-            if ok and e in layer.where:
-                layer.valid.add(e)
-            elif not ok:  # a failed transfer: counted; a staged one gives its slot back
-                self.stats[m][self.phase].failures += 1
-                if e in layer.staged:
-                    self._release(layer.staged.pop(e))
-
-    def _reap(self, wait_in: int | None = None) -> None:
-        """Give back the staging slots of unneeded transfers that have finished (or, from layer
-        `wait_in`'s call, wait for them: that wait is layer wait_in's stall)."""
-        keep = []
-        for slot, h in self.zombies:
-            if wait_in is not None and self.mover.poll(h) is None:
-                self.mover.wait(wait_in, -1, h)
-            (self._release(slot) if self.mover.poll(h) is not None else keep.append((slot, h)))
-        self.zombies = keep
-
-    def _drop_stale(self, m: int, needed: set[int]) -> None:
-        """Queued prefetches layer m does not need are cancelled; unneeded staged experts leave."""
-        layer = self.layers[m]
-        for e in [e for e in layer.inflight if e not in needed]:
-            inf = layer.inflight[e]
-            if self.mover.cancel(inf.handle):
-                del layer.inflight[e]
-                if e in layer.staged:
-                    self._release(layer.staged.pop(e))
-            elif e in layer.staged:  # already on the link: its slot comes back when it lands
-                del layer.inflight[e]
-                self.zombies.append((layer.staged.pop(e), inf.handle))
-            # into a cache slot and already on the link: it stays in flight (never evicted) and lands valid
-        for e in [e for e in layer.staged if e not in needed]:
-            self._release(layer.staged.pop(e))

@@ -1,19 +1,19 @@
 """The per-layer state of the one expert cache, and the `Mover` protocol the cache drives.
 
 What this file is: `Mover` (what the cache asks of its driver: submit, cancel, poll, wait, reload,
-capacity, view), `LayerState` (which expert of one MoE layer sits in which slot, what is in flight, staged,
-pending, deferred, on the host, stood in for) and the two small records the cache keeps (`_Inflight`,
-`_Pool`), plus `HOST`, the "slot" of an expert computed on the host.
-What it is not: the state machine that changes them (`cache.py`).
+capacity, view) and `LayerState`: one MoE layer's policy and state (`cache_core.Lay`: which expert sits in which
+slot, what is in flight, staged, pending, deferred, on the host, stood in for), with read-only views of that state
+as sets and dicts (for tests, notebooks and the value cache's planning). `Pool` is a view of a staging pool.
+What it is not: the state machine that changes them (`cache_core.py`, driven by `cache.py`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
+import numpy as np
+
+from fate_lab.policy.cache_core import HASPRED, NSLOTS, NUSED, Lay
 from fate_lab.policy.replacement import ReplacementPolicy
-
-HOST = -1  # the "slot" of an expert that computes on the host
 
 
 class Mover(Protocol):
@@ -44,46 +44,101 @@ class Mover(Protocol):
         time measured yet); only the value cache (`value_cache.py`) asks."""
 
 
-@dataclass(eq=False)
-class _Inflight:
-    handle: Any
-    slot: int
-    urgent: bool
-    reason: str
+def items(a) -> list:
+    """The items of a list of the cache's state (element 0 holds its length)."""
+    return list(a[1:a[0] + 1])
 
 
-@dataclass(eq=False)
-class _Pool:
-    """A pool of staging slots."""
+class Pool(NamedTuple):
+    """A view of a staging pool: its name and its free slots (the next one taken last)."""
 
     name: str
     free: list[int]
 
 
-@dataclass(eq=False)
 class LayerState:
-    """Slot bookkeeping of one MoE layer."""
+    """One MoE layer of the cache: its replacement policy and its state `L` (a `cache_core.Lay` of Python lists,
+    which `cache_core`'s functions change); the properties are read-only copies."""
 
-    cache_slots: list[int]  # slot ids this layer's cache owns
-    policy: ReplacementPolicy  # over expert ids, capacity len(cache_slots)
-    where: dict[int, int] = field(default_factory=dict)  # cached (reserved) expert -> slot
-    valid: set[int] = field(default_factory=set)  # cached experts whose slot holds their bytes
-    staged: dict[int, int] = field(default_factory=dict)  # expert -> staging slot (not cached)
-    inflight: dict[int, _Inflight] = field(default_factory=dict)  # expert -> transfer in flight
-    prefetched: set[int] = field(default_factory=set)  # moved by the predictor for the next call
-    prediction: list[int] | None = None  # predicted set for the next call
-    pending: set[int] = field(default_factory=set)  # needed by the current call, not computed yet
-    deferred: list[int] = field(default_factory=list)  # misses still waiting for a slot
-    host: set[int] = field(default_factory=set)  # needed by the current call, computed on the host
-    subst: dict[int, int] = field(default_factory=dict)  # missed expert -> resident stand-in (this call)
-    lowp: set[int] = field(default_factory=set)  # misses computed from their resident low-precision copy
+    __slots__ = ("policy", "L")
+
+    def __init__(self, cache_slots: list[int], policy: ReplacementPolicy, num_ids: int, parity: int):
+        E = num_ids
+        self.policy = policy
+        self.L = Lay(where=[-1] * E, staged=[-1] * E, valid=[0] * E, infl=[0] * E, urg=[0] * E, reason=[0] * E,
+                     pref=[0] * E, pend=[0] * E, host=[0] * E, lowp=[0] * E, subst=[-1] * E, mark=[0] * E,
+                     handle=[None] * E, prot=np.zeros(E + 8, np.uint8), inflist=[0] * (E + 1), stlist=[0] * (E + 1),
+                     preflist=[0] * (E + 1), deferred=[0] * (E + 1), pred=[0], touched=[0] * (E + 1),
+                     cslots=list(cache_slots), sc=[0, 0, len(cache_slots), parity, 0])
+
+    @property
+    def cache_slots(self) -> list[int]:
+        """Slot ids this layer's cache owns."""
+        return list(self.L.cslots)
+
+    @property
+    def where(self) -> dict[int, int]:
+        """Cached (reserved) expert -> slot."""
+        return {e: s for e, s in enumerate(self.L.where) if s >= 0}
+
+    @property
+    def valid(self) -> set[int]:
+        """Cached experts whose slot holds their bytes."""
+        return {e for e, v in enumerate(self.L.valid) if v}
+
+    @property
+    def staged(self) -> dict[int, int]:
+        """Expert -> staging slot (not cached), in the order they were staged."""
+        return {e: self.L.staged[e] for e in items(self.L.stlist)}
+
+    @property
+    def inflight(self) -> dict[int, int]:
+        """Expert -> the slot its transfer in flight fills, in the order they were queued."""
+        L = self.L
+        return {e: L.staged[e] if L.staged[e] >= 0 else L.where[e] for e in items(L.inflist)}
+
+    @property
+    def pending(self) -> set[int]:
+        """Needed by the current call, not computed yet."""
+        return {e for e in items(self.L.touched) if self.L.pend[e]}
+
+    @property
+    def prefetched(self) -> set[int]:
+        """Moved by the predictor for the next call."""
+        return set(items(self.L.preflist))
+
+    @property
+    def deferred(self) -> list[int]:
+        """Misses still waiting for a slot."""
+        return items(self.L.deferred)
+
+    @property
+    def host(self) -> set[int]:
+        """Needed by the current call, computed on the host."""
+        return {e for e in items(self.L.touched) if self.L.host[e]}
+
+    @property
+    def prediction(self) -> list[int] | None:
+        """The predicted set for the next call (None: none)."""
+        return items(self.L.pred) if self.L.sc[HASPRED] else None
+
+    @prediction.setter
+    def prediction(self, ids) -> None:
+        ids = [] if ids is None else list(ids)
+        self.L.pred[:] = [len(ids), *ids]
+        self.L.sc[HASPRED] = 0 if ids is None else 1
 
     @property
     def free(self) -> list[int]:
         """Cache slots reserved by nobody."""
-        used = set(self.where.values())
-        return [s for s in self.cache_slots if s not in used]
+        return list(self.L.cslots[self.L.sc[NUSED]:])
+
+    @property
+    def full(self) -> bool:
+        """Every cache slot is reserved."""
+        return self.L.sc[NUSED] >= self.L.sc[NSLOTS]
 
     def resident(self) -> set[int]:
         """Experts usable now without a transfer: valid cached or staged with nothing in flight."""
-        return (self.valid | set(self.staged)) - set(self.inflight)
+        L = self.L
+        return {e for e in range(len(L.where)) if (L.valid[e] or L.staged[e] >= 0) and not L.infl[e]}

@@ -154,6 +154,18 @@ class CompiledPolicy(ReplacementPolicy):
             return v
         return None
 
+    def admit_row(self, e: int, prot: np.ndarray) -> int:
+        """`admit` with the protect set as a uint8 row over ids (the cache's state machine keeps one; its length
+        at least E + 8): -1 (nothing evicted), the evicted id, or e (not cached)."""
+        e = self._id(e)
+        st = self._st
+        v = self.record.admit(st.I, st.F, st.S, st.G, st.R, self.E, e, prot)
+        if v != e:
+            self._res.add(e)
+            if v >= 0:
+                self._res.discard(v)
+        return v
+
     def victim(self, e: int, protect=frozenset()) -> int | None:
         """The resident an admit of the non-resident e would evict now, protecting `protect` (None: none), found
         by admitting e into a copy of the state: the policy's own rule, not an order guessed from outside."""

@@ -53,6 +53,12 @@ class ReplacementPolicy:
         """Insert non-resident ``e``; return the evicted id, None, or ``e`` if not cached."""
         raise NotImplementedError
 
+    def admit_row(self, e: int, prot) -> int:
+        """`admit` as the cache's state machine (`cache_core.py`) calls it: ``prot`` a uint8 row over ids (non-zero:
+        protected, 8 spare ids at its end), the answer an int (-1: nothing evicted)."""
+        v = self.admit(e, frozenset(int(x) for x in prot[:len(prot) - 8].nonzero()[0]))
+        return -1 if v is None else v
+
     def victim(self, e: int, protect=frozenset()) -> int | None:
         """The resident an admit of ``e`` would evict, protecting ``protect`` (None: none would go). Here: the first
         unprotected id of `resident()`'s eviction order; a policy that knows better overrides it."""

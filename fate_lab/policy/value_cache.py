@@ -27,7 +27,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from fate_lab.policy import cache_core as core
+from fate_lab.policy import cache_steps as steps
 from fate_lab.policy.cache import ExpertCache
+from fate_lab.policy.cache_state import items
 from fate_lab.policy.value import Candidate, LinkView, RankOdds, UseRate, plan_prefetches, worth_admitting
 
 DEMAND_EMA = 0.1  # weight of the newest decode call in the estimate of P(a layer issues a demand load)
@@ -56,16 +59,17 @@ class ValueCache(ExpertCache):
             self.odds.record(d, r, e in needed_set)
         self._ranked[m] = []
         self.rates[m].call(list(needed))
+        L = layer.L
         if self.host_fill and self.placement is not None:
             for e in needed:
-                inf = layer.inflight.get(e)
-                if inf is not None and not inf.urgent and self.mover.cancel(inf.handle):
-                    del layer.inflight[e]
-                    if e in layer.staged:
-                        self._release(layer.staged.pop(e))
+                if L.infl[e] and not L.urg[e] and self.mover.cancel(L.handle[e]):
+                    L.infl[e] = 0
+                    core.drop(L.inflist, e)
+                    if L.staged[e] >= 0:
+                        core.unstage(L, self.pools, e)
         order = super().begin(m, needed, counts, miss_plan)
         if self.phase == "decode":
-            waited = bool(layer.deferred) or any(inf.urgent for inf in layer.inflight.values())
+            waited = bool(L.deferred[0]) or any(L.urg[e] for e in items(L.inflist))
             self.demand_odds = (1 - DEMAND_EMA) * self.demand_odds + DEMAND_EMA * float(waited)
         self._hosted[m] = list(layer.host)
         return order
@@ -86,8 +90,9 @@ class ValueCache(ExpertCache):
                 layer.prediction = list(ids)
             if self.placement is not None and self.placement.layer_on_host(n):
                 continue
+            L = layer.L
             for r, e in enumerate(ids):
-                if e in layer.inflight or e in layer.valid or e in layer.staged:
+                if L.infl[e] or L.valid[e] or L.staged[e] >= 0:
                     continue
                 cands.append(Candidate(n, e, d, self.odds.p(d, r)))
         view = self.mover.view(m + 1)
@@ -99,16 +104,23 @@ class ValueCache(ExpertCache):
         queued = 0
         for n, e, low in plan:
             layer = self.layers[n]
+            L = layer.L
             ids = next(ids for t, ids in targets if t == n)
-            protect = frozenset(layer.inflight) | frozenset(ids)
-            if not self.admit_on_use and not self._worth(n, e, protect):
+            if not self.admit_on_use and not self._worth(n, e, frozenset(items(L.inflist)) | frozenset(ids)):
                 continue
-            slot = self._reserve(n, e, protect, for_prefetch=True)
-            if slot is None:
+            for x in (*items(L.inflist), *ids):  # a prediction never evicts itself, nor what is in flight
+                L.prot[x] = 1
+            slot = core.reserve(L, self.pools, layer.policy, self.E, e, True, self.cache_enabled, self.admit_on_use,
+                                True)
+            L.prot[:] = 0
+            if slot < 0:
                 continue  # no slot left for prefetching that layer
-            self._submit(n, e, slot, urgent=False, reason="prefetch_low" if low else "prefetch")
-            layer.prefetched.add(e)
-            self.stats[n][self.phase].prefetch_issued += 1
+            st = self.stats[n][self.phase]
+            core.submit(L, st, self.mover, n, e, slot, 0, core.PREFETCH_LOW if low else core.PREFETCH)
+            if not L.pref[e]:
+                L.pref[e] = 1
+                core.push(L.preflist, e)
+            st.prefetch_issued += 1
             queued += 1
         return queued
 
@@ -131,15 +143,17 @@ class ValueCache(ExpertCache):
 
     def _cancel_queued(self, n: int) -> None:
         """Cancel layer n's prefetches the link has not started (they are re-planned; each counts as wasted)."""
-        layer = self.layers[n]
-        for e, inf in list(layer.inflight.items()):
-            if inf.urgent or inf.reason == "fill" or not self.mover.cancel(inf.handle):
+        L = self.layers[n].L
+        for e in items(L.inflist):
+            if L.urg[e] or L.reason[e] == core.FILL or not self.mover.cancel(L.handle[e]):
                 continue  # demand loads and background fills are not prefetches to re-plan
-            del layer.inflight[e]
-            if e in layer.staged:
-                self._release(layer.staged.pop(e))
-            if e in layer.prefetched:
-                layer.prefetched.discard(e)
+            L.infl[e] = 0
+            core.drop(L.inflist, e)
+            if L.staged[e] >= 0:
+                core.unstage(L, self.pools, e)
+            if L.pref[e]:
+                L.pref[e] = 0
+                core.drop(L.preflist, e)
                 self.stats[n][self.phase].prefetch_wasted += 1
 
     def _worth(self, m: int, e: int, protect: frozenset) -> bool:
@@ -150,38 +164,41 @@ class ValueCache(ExpertCache):
         victim = pol.victim(e, protect | {e})
         return victim is not None and worth_admitting(self.rates[m].rate(e), self.rates[m].rate(victim))
 
-    def _promote(self, m: int, e: int) -> None:
-        """A used prefetch joins the cache only in place of an expert used less; else its slot goes back."""
+    def done(self, m: int, e: int) -> None:
+        """As `ExpertCache.done`; a used prefetch joins the cache only in place of an expert used less."""
         layer = self.layers[m]
-        if not self._worth(m, e, frozenset(layer.pending) | frozenset(layer.inflight)):
-            self._release(layer.staged.pop(e))
-            return
-        super()._promote(m, e)
+        L, ok = layer.L, self._promote[m]
+        if ok and L.staged[e] >= 0 and not L.infl[e]:
+            ok = self._worth(m, e, frozenset(x for x in items(L.touched) if L.pend[x] and x != e)
+                             | frozenset(items(L.inflist)))
+        steps.done(L, self.pools, layer.policy, self.E, e, ok)
 
     def _fill(self, m: int, experts: list[int]) -> None:
         """Load host-computed experts of layer m into its cache, most used first, within one layer of link time."""
         layer = self.layers[m]
+        L = layer.L
         view = self.mover.view(m)
-        if view is None or not (self.cache_enabled and layer.cache_slots):
+        if view is None or not (self.cache_enabled and L.sc[core.NSLOTS]):
             return
+        st = self.stats[m][self.phase]
         clock = view.backlog_s
         for e in sorted(experts, key=lambda x: (-self.rates[m].rate(x), x)):
             if clock + view.prefetch_s > view.layer_s:
                 break
-            if e in layer.inflight:
+            if L.infl[e]:
                 continue
-            if e in layer.where:  # its slot is reserved but its bytes never came (a cancelled load): fill it
-                slot = layer.where[e]
+            if L.where[e] >= 0:  # its slot is reserved but its bytes never came (a cancelled load): fill it
+                slot = L.where[e]
             else:
-                protect = frozenset(layer.inflight) | frozenset(layer.pending)
-                if not self._worth(m, e, protect):
+                if not self._worth(m, e, frozenset(items(L.inflist)) | layer.pending):
                     continue
-                slot = self._reserve(m, e, protect, for_prefetch=False)
-                if slot is None:
+                slot = core.reserve(L, self.pools, layer.policy, self.E, e, False, self.cache_enabled,
+                                    self.admit_on_use, False)
+                if slot < 0:
                     continue
-                if e in layer.staged:  # no cache slot came free: do not hold a staging slot for it
-                    self._release(layer.staged.pop(e))
+                if L.staged[e] >= 0:  # no cache slot came free: do not hold a staging slot for it
+                    core.unstage(L, self.pools, e)
                     continue
-            self._submit(m, e, slot, urgent=False, reason="fill")
-            self.stats[m][self.phase].filled += 1
+            core.submit(L, st, self.mover, m, e, slot, 0, core.FILL)
+            st.filled += 1
             clock += view.prefetch_s

@@ -2,8 +2,9 @@
 
 Each file fills one `record.Policy` (name, compiled functions, keywords, what it reads) and `policy/registry.py`
 lists it in one line. The runtime and the simulator call the functions from Python (`policy/compiled.py`); the fast
-replay calls them from its token loop, compiled once per policy (`sim/fast/driver.py`, `sim/fast/dispatch.py`). Shared
-pieces (linked lists, a heap, the key-ordered resident set, SplitMix64) are in `blocks.py`; `record.py` says the form.
+replay calls them from the cache's steps, compiled once per policy (`sim/fast/driver.py`, `sim/fast/dispatch.py`).
+Shared pieces (linked lists, a heap, the key-ordered resident set, SplitMix64) are in `blocks.py`; `record.py` says
+the form.
 
 Numba's on-disk cache (``cache=True``) keys each compiled function on its own file only, so an edit to `blocks.py`
 would leave a stale policy function (which inlines it) in ``__pycache__``, and an edit to a policy file a stale

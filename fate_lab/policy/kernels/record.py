@@ -5,17 +5,19 @@ decorator of a policy's compiled functions; the state a policy keeps (`State`), 
 that does not observe the router or read the future gets. What it is not: a policy, or the registry.
 
 A policy is a few plain functions over arrays, compiled by numba and run unchanged by the runtime and the simulator
-(one call each, from Python, through `compiled.CompiledPolicy`) and by the fast replay (called from its token loop
-compiled for the policy, `fate_lab/sim/fast/driver.py`). Every function takes the state first, ``I, F, S, G, R``
-(see `State`), and ``E``, the id bound: ids are ``0..E-1`` and ``E..E+7`` are free for list sentinels.
+(one call each, from Python, through `compiled.CompiledPolicy`) and by the fast replay (called from the cache's steps
+compiled with the replay's token loop for the policy, `fate_lab/sim/fast/driver.py`). Every function takes the state
+first, ``I, F, S, G, R`` (see `State`), and ``E``, the id bound: ids are ``0..E-1`` and ``E..E+7`` are free for
+list sentinels.
 
     init(I, F, S, G, R, E, cap, prm, iprm, uses)   the empty cache of `cap` slots (``uses``: the future, [N, k],
                                                    for a policy that reads it; else a [0, 1] array)
     admit(I, F, S, G, R, E, e, prot) -> int        insert the non-resident e: -1 (nothing evicted), the evicted id,
                                                    or e itself (nothing may be evicted: e is not cached); prot[x]
                                                    != 0 marks the ids that must stay. With fewer than cap ids
-                                                   resident it evicts nothing and reads no prot (`CompiledPolicy`
-                                                   then passes none; tests check every registered policy)
+                                                   resident it evicts nothing and reads no prot (the cache's
+                                                   `cache_core.admit` and `CompiledPolicy` then mark none; tests
+                                                   check every registered policy)
     access(I, F, S, G, R, E, e)                    a further use of the resident e
     observe(I, F, S, G, R, E, probs, n)            the router's probabilities of the E experts, averaged over a
                                                    call's n tokens, before the call's uses (``needs_scores``)
@@ -40,8 +42,8 @@ G_LEN = 8 + 4096  # G[0:8] scalars, then a table (LRFU's powers of its decay)
 
 
 def kernel(fn):
-    """A policy's compiled function: cached on disk, allocation-free (no reference counting), called by the fast
-    replay's loop compiled for its policy (not inlined there: see `sim/fast/driver.py`)."""
+    """A policy's compiled function: cached on disk, allocation-free (no reference counting), called by the cache's
+    steps compiled for its policy in the fast replay (`sim/fast/driver.py`)."""
     return njit(cache=True, _nrt=False)(fn)
 
 

@@ -1,198 +1,168 @@
-"""The compiled replay driver: one layer's tokens through one policy, exactly as `ExpertCache` with an instant link.
+"""The compiled replay: the one cache's steps (`policy/cache_core.py`, `cache_steps.py`) compiled for one policy,
+and the token loop that drives them behind an instant link.
 
-What this file is: `run_layer`, the per-layer replay loop in numba, and `run_jobs`, many (layer, capacity)
-replays in one call (``nogil``: `fast_replay` runs several such calls on threads). `run_layer` reproduces what
-`sim/replay.py`'s `_replay_layer` makes the one cache do, in the same order of policy calls (the parity tests
-require identical counts):
-  1. prefetch (a predicted set for this token): each predicted expert not yet resident is admitted
-     into the cache protecting the whole set ("on_load"), or held in one of ``buffer`` staging slots
-     ("on_use"); "on_load" stages what the cache refuses; the first expert that finds no slot ends it.
-     An expert admitted twice in one set is reserved once more (a use, and one more transfer).
-  2. the token's distinct experts, in the router's order: staged or cached ones are hits (cached:
-     ``access``), the rest misses, each admitted protecting the whole token (refused: staged);
-  3. the experts compute, hits first: a staged one is released, or ("on_use") admitted protecting the
-     experts not computed yet.
-Counts (``out``): uses and hits of prefill, uses and hits of decode, demand loads, prefetch loads,
-prefetched experts used, prefetched experts not used (all phases), then the last four of prefill alone (each
-counted in the phase of the token that caused it, as the pure cache counts them).
-
-One policy per copy: the loop calls the functions of ``POLICY`` below. This file is the copy for LRU; `dispatch.py`
-writes out one copy of this very text per registered policy, only the ``POLICY`` line changed, and imports it. The
-two calls of every token, the use of a cached expert and the admit of a missed one, are the policy's functions
-inlined (``*_inline``); the rarer ones (prefetch, admit on use) are compiled calls. Inlining at those two sites
-made ARC, LFU and LIRS 20-37% faster than calling there, and compiling all twelve loops from a cold cache took
-82 s against 62-65 s (inlining admit at all three of its sites cost 2-6x the compile time of a call); one loop
-branching over every policy, before, compiled in 91 s and ran LRU at half the speed. Each loop compiles the first
-time its policy is replayed (3-14 s on the 2-core test machine), one-off measurements on that machine.
-What it is not: the semantics -- that is `cache.ExpertCache`; this is its replay, pinned by tests.
+What this file is: two pieces of text that `dispatch.py` puts together with the cache's own files, once per
+registered policy, into one file that numba compiles and caches:
+  1. the ``mode`` block: what the cache's interpreted mode block becomes in the compiled copy -- numba's `njit`,
+     the policy's compiled functions bound to the names the cache calls (``POLICY`` is the one line `dispatch.py`
+     changes per policy), typed lists, and mover functions that are never reached (the mover is None);
+  2. the ``body``: `run_layer`, one layer's tokens through the cache's steps in the order `sim/layer_replay.py`'s
+     `replay_layer` drives `ExpertCache` (tick, observe, prefetch the predicted set, begin, acquire and done per
+     expert, end), and `run_jobs`, many (layer, capacity) replays in one call (``nogil``: `fast_replay` runs
+     several such calls on threads).
+The counts (``out``): uses and hits of prefill, uses and hits of decode, demand loads, prefetch loads, prefetched
+experts used, prefetched experts not used (all phases), then the last four of prefill alone -- the cache's own
+counters (`PhaseStats` fields), read from its compiled stats records.
+What it is not: a second state machine. Read alone, this file is two fragments; it runs only inside the file
+`dispatch.py` writes.
 """
 from __future__ import annotations
 
+# >>> mode: compiled (dispatch.py puts these lines in place of cache_core.py's interpreted mode block)
 import numpy as np
-from numba import njit
+from numba import njit as _njit
 
 from fate_lab.policy.kernels.record import F_ROWS, G_LEN, I_ROWS, R_LEN, S_LEN
 from fate_lab.policy.registry import POLICIES
 
+
+def njit(*args, **kw):
+    """The cache's functions inlined into the token loop, compiled without reference counting (they allocate
+    nothing). A call passes the state's two dozen arrays by value (5 M look-ups/s on a cold trace where the
+    inlined loop does 27 M), and with reference counting each of them is counted up and down atomically at every
+    call (0.5 M)."""
+    kw["_nrt"] = False
+    kw.setdefault("inline", "always")
+    return _njit(*args, **kw) if args else (lambda f: _njit(f, **kw))
+
+
 POLICY = POLICIES["lru"]
 policy_init, policy_admit, policy_access = POLICY.init, POLICY.admit, POLICY.access
 policy_observe, policy_tick = POLICY.observe, POLICY.tick
-policy_admit_inline = njit(cache=True, _nrt=False, inline="always")(POLICY.admit.py_func)
-policy_access_inline = njit(cache=True, _nrt=False, inline="always")(POLICY.access.py_func)
 
+
+@njit(cache=True, inline="always")
+def pol_admit(P, E, e, prot):
+    return policy_admit(P[0], P[1], P[2], P[3], P[4], E, e, prot)
+
+
+@njit(cache=True, inline="always")
+def pol_access(P, E, e):
+    policy_access(P[0], P[1], P[2], P[3], P[4], E, e)
+
+
+def _unreached(*args):
+    raise AssertionError("the compiled cache has no mover: its branches are pruned")
+
+
+mv_submit = mv_poll = mv_cancel = mv_wait = mv_reload = _unreached
+# <<< mode
+
+from fate_lab.policy.cache_core import (  # noqa: E402 -- for a linter reading this file alone
+    HASPRED,
+    NEED_STEAL,
+    Lay,
+    Pools,
+)
+from fate_lab.policy.cache_steps import acquire, begin_a, begin_b, done, end, prefetch, prefetch_submit  # noqa: E402
+
+# >>> body (dispatch.py copies what follows after the cache's steps)
 N_COUNTS = 12
+STATS = np.dtype([(f, np.int64) for f in (
+    "calls", "uses", "hits", "late", "misses", "host", "dropped", "substituted", "prefetch_issued", "prefetch_useful",
+    "prefetch_wasted", "predicted", "predicted_used", "true_used", "predictions", "failures", "bytes_moved")])
 
 
-@njit(cache=True)
+@_njit(cache=True)
+def new_state(E, cap, k, buffer, longest):
+    """One layer with cap cache slots (0..cap-1), k demand slots and two prefetch pools of buffer slots after them
+    (lists of E ids; a prediction of up to `longest`)."""
+    rows = np.zeros((14, E), np.int64)
+    rows[0] = rows[1] = rows[10] = -1  # where, staged, subst
+    lists = np.zeros((6, max(E, longest) + 1), np.int64)
+    L = Lay(rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], rows[6], rows[7], rows[8], rows[9], rows[10],
+            rows[11], rows[12], np.zeros(E + 8, np.uint8), lists[0], lists[1], lists[2], lists[3], lists[4], lists[5],
+            np.arange(cap), np.array([0, 0, cap, 0, 0], np.int64))
+    sizes = (k, buffer, buffer)
+    pfree = np.zeros((3, max(k, buffer)), np.int64)
+    pool_of = np.full(cap + k + 2 * buffer, -1, np.int64)
+    base = cap
+    for p in range(3):
+        for i in range(sizes[p]):
+            pfree[p, i] = base + i
+            pool_of[base + i] = p
+        base += sizes[p]
+    z = np.zeros((2, k + 2 * buffer + 1), np.int64)
+    return L, Pools(pfree, np.array([k, buffer, buffer], np.int64), pool_of, z[0], z[1])
+
+
+@_njit(cache=True)
 def run_layer(uses, phases, poff, pids, has_pred, prm, iprm, cap, E, buffer, on_use, nextuse, probs, out):
     """Replay uses [N, k] of one layer (predicted sets pids[poff[t]:poff[t+1]]; the router's probabilities probs
     [N, E] for a policy that reads them, else [0, 0]); counts into out [12]."""
-    W = E + 8
-    I = np.zeros((I_ROWS, W), np.int64)
-    F = np.zeros((F_ROWS, W), np.float64)
-    S = np.zeros(S_LEN, np.int64)
-    G = np.zeros(G_LEN, np.float64)
-    R = np.zeros(R_LEN, np.uint64)
-    policy_init(I, F, S, G, R, E, cap, prm, iprm, uses)
-    flags = np.zeros((6, E), np.uint8)
-    lists = np.empty((5, max(E, uses.shape[1])), np.int64)
-    replay_loop(uses, phases, poff, pids, has_pred, cap, E, buffer, on_use, nextuse, probs, out, I, F, S, G, R, flags,
-                lists)
-
-
-@njit(cache=True, _nrt=False)
-def replay_loop(uses, phases, poff, pids, has_pred, cap, E, buffer, on_use, nextuse, probs, out, I, F, S, G, R,
-                flags, lists):
-    """The token loop of run_layer (no allocation, so compiled without reference counting)."""
     N, k = uses.shape
-    res = flags[0]  # cached
-    staged = flags[1]  # in a staging slot
-    pend = flags[2]  # needed by the token, not computed yet (the protect set)
-    inpred = flags[3]  # in this token's predicted set (the prefetch's protect set)
-    pf = flags[4]  # moved by this token's prefetch
-    rnd = flags[5]  # admitted by this token's prefetch
-    need, order, miss, moved, stg = lists[0], lists[1], lists[2], lists[3], lists[4]
-    uses0 = hits0 = uses1 = hits1 = demand = loads = useful = wasted = 0  # the counters, kept in registers
-    d0 = l0 = u0 = w0 = 0  # ... of prefill tokens alone
+    W = E + 8
+    P = (np.zeros((I_ROWS, W), np.int64), np.zeros((F_ROWS, W), np.float64), np.zeros(S_LEN, np.int64),
+         np.zeros(G_LEN, np.float64), np.zeros(R_LEN, np.uint64))
+    policy_init(P[0], P[1], P[2], P[3], P[4], E, cap, prm, iprm, uses)
+    longest = 1
+    if has_pred:
+        for t in range(N):
+            longest = max(longest, poff[t + 1] - poff[t])
+    L, PZ = new_state(E, cap, k, buffer, longest)
+    stats = np.zeros(2, STATS)
+    scratch = np.empty((3, max(k, longest)), np.int64)
+    replay_tokens(uses, phases, poff, pids, has_pred, P, E, on_use and cap > 0, nextuse, probs, L, PZ, stats,
+                  scratch)
+    pre, dec = stats[0], stats[1]
+    out[0], out[1], out[2], out[3] = pre.uses, pre.hits, dec.uses, dec.hits
+    out[4], out[5] = pre.misses + dec.misses, pre.prefetch_issued + dec.prefetch_issued
+    out[6], out[7] = pre.prefetch_useful + dec.prefetch_useful, pre.prefetch_wasted + dec.prefetch_wasted
+    out[8], out[9], out[10], out[11] = pre.misses, pre.prefetch_issued, pre.prefetch_useful, pre.prefetch_wasted
+
+
+@_njit(cache=True, _nrt=False)
+def replay_tokens(uses, phases, poff, pids, has_pred, P, E, promote_ok, nextuse, probs, L, PZ, stats, scratch):
+    """The token loop of run_layer, in the order `layer_replay.replay_layer` drives `ExpertCache` (no allocation,
+    so compiled without reference counting)."""
+    N, k = uses.shape
+    need, order, moves = scratch[0], scratch[1], scratch[2]
+    cls = moves  # (free again once the token's prefetch is queued)
     for t in range(N):
-        ph = phases[t]
-        snap_d, snap_l, snap_u, snap_w = demand, loads, useful, wasted
-        policy_tick(I, F, S, G, R, E, t, uses, nextuse)
+        T = stats[phases[t]]
+        policy_tick(P[0], P[1], P[2], P[3], P[4], E, t, uses, nextuse)
         if probs.shape[0]:
-            policy_observe(I, F, S, G, R, E, probs[t], 1)
-        nm = 0  # distinct experts moved by the prefetch
-        ns = 0  # ... of them staged
-        if has_pred and poff[t + 1] > poff[t]:
+            policy_observe(P[0], P[1], P[2], P[3], P[4], E, probs[t], 1)
+        if has_pred:
             a, b = poff[t], poff[t + 1]
-            if not on_use:
+            L.sc[HASPRED] = 1 if b > a else 0
+            if b > a:
+                L.pred[0] = b - a
                 for j in range(a, b):
-                    inpred[pids[j]] = 1
-            pool = buffer
-            for j in range(a, b):
-                e = pids[j]
-                if staged[e]:
-                    continue
-                if res[e]:
-                    if rnd[e]:  # reserved earlier in this set: reserved again
-                        policy_access(I, F, S, G, R, E, e)
-                        loads += 1
-                    continue
-                if cap > 0 and not on_use:
-                    v = policy_admit(I, F, S, G, R, E, e, inpred)
-                    if v != e:
-                        if v >= 0:
-                            res[v] = 0
-                        res[e] = 1
-                        rnd[e] = 1
-                        if not pf[e]:
-                            pf[e] = 1
-                            moved[nm] = e
-                            nm += 1
-                        loads += 1
-                        continue
-                if pool == 0:
-                    break
-                pool -= 1
-                staged[e] = 1
-                stg[ns] = e
-                ns += 1
-                if not pf[e]:
-                    pf[e] = 1
-                    moved[nm] = e
-                    nm += 1
-                loads += 1
-            for j in range(a, b):
-                inpred[pids[j]] = 0
-        n = 0
+                    L.pred[1 + j - a] = pids[j]
+                n_moves = prefetch(L, PZ, P, E, pids[a:b], -1, True, promote_ok, moves)
+                prefetch_submit(L, T, None, 0, moves, n_moves, 0)
+        n = 0  # the token's distinct experts, in the router's order
         for j in range(k):
             e = uses[t, j]
-            if not pend[e]:
-                pend[e] = 1
+            seen = False
+            for i in range(n):
+                if need[i] == e:
+                    seen = True
+            if not seen:
                 need[n] = e
                 n += 1
-        used = 0
-        for i in range(nm):
-            e = moved[i]
-            used += pend[e]
-            pf[e] = 0
-            rnd[e] = 0
-        useful += used
-        wasted += nm - used
-        for i in range(ns):  # staged experts this token does not need leave
-            if not pend[stg[i]]:
-                staged[stg[i]] = 0
-        nh = 0  # hits first, then the misses, each in the router's order
-        nmiss = 0
-        for i in range(n):
-            e = need[i]
-            if staged[e] or res[e]:
-                order[nh] = e
-                nh += 1
-                if res[e]:
-                    policy_access_inline(I, F, S, G, R, E, e)
-            else:
-                miss[nmiss] = e
-                nmiss += 1
-        if ph:
-            uses1 += n
-            hits1 += nh
-        else:
-            uses0 += n
-            hits0 += nh
-        demand += nmiss
-        for i in range(nmiss):
-            e = miss[i]
-            order[nh + i] = e
-            if cap > 0:
-                v = policy_admit_inline(I, F, S, G, R, E, e, pend)
-                if v != e:
-                    if v >= 0:
-                        res[v] = 0
-                    res[e] = 1
-                    continue
-            staged[e] = 1
-        for i in range(n):
+        begin_a(L, PZ, T, P, E, None, need, n, None, cls)
+        n_order = begin_b(L, PZ, T, P, E, None, 0, need, n, cls, None, order, True)
+        for i in range(n_order):
             e = order[i]
-            pend[e] = 0
-            if staged[e]:
-                staged[e] = 0
-                if on_use and cap > 0:
-                    v = policy_admit(I, F, S, G, R, E, e, pend)
-                    if v != e:
-                        if v >= 0:
-                            res[v] = 0
-                        res[e] = 1
-        if not ph:
-            d0 += demand - snap_d
-            l0 += loads - snap_l
-            u0 += useful - snap_u
-            w0 += wasted - snap_w
-    out[0], out[1], out[2], out[3] = uses0, hits0, uses1, hits1
-    out[4], out[5], out[6], out[7] = demand, loads, useful, wasted
-    out[8], out[9], out[10], out[11] = d0, l0, u0, w0
+            if acquire(L, PZ, T, P, E, None, 0, e, True, 0) == NEED_STEAL:
+                raise RuntimeError("no slot for an expert in a one-layer replay (cache bug)")
+            done(L, PZ, P, E, e, promote_ok)
+        end(L)
 
 
-@njit(cache=True, nogil=True)
+@_njit(cache=True, nogil=True)
 def run_jobs(uses, phases, poff, pids, has_pred, prm, iprm, layers, caps, E, buffer, on_use, nextuse, probs, out, jobs):
     """Replay job j = (layer layers[j], capacity caps[j]) for every j in jobs; counts into out [J, 12]. uses [N, L, k]
     as the caller holds it: each job reads its layer's column in place (no [L, N, k] copy). Without the GIL, so
