@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from fate_lab.policy.lossy import LOWP  # noqa: F401 -- the "slot" of a miss computed from its low-precision copy
+
 HOST = -1  # the "slot" of an expert that computes on the host
-LOWP = -2  # ... of a miss computed from its resident low-precision copy (lossy "standin")
 NEED_STEAL = -10  # acquire: no slot anywhere; the caller frees other layers' staging slots and calls again
 MISS, PREFETCH, PREFILL_LOW, FILL, PREFETCH_LOW = 0, 1, 2, 3, 4  # why a transfer moves (`REASONS` names them)
 REASONS = ("miss", "prefetch", "prefill_low", "fill", "prefetch_low")

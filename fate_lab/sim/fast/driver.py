@@ -19,11 +19,14 @@ What it is not: a second state machine. Read alone, this file is two fragments; 
 from __future__ import annotations
 
 # >>> mode: compiled (dispatch.py puts these lines in place of cache_core.py's interpreted mode block)
+import dataclasses
+
 import numpy as np
 from numba import njit as _njit
 
 from fate_lab.policy.kernels.record import F_ROWS, G_LEN, I_ROWS, R_LEN, S_LEN
 from fate_lab.policy.registry import POLICIES
+from fate_lab.policy.stats import PhaseStats
 
 
 def njit(*args, **kw):
@@ -68,9 +71,8 @@ from fate_lab.policy.cache_steps import acquire, begin_a, begin_b, done, end, pr
 
 # >>> body (dispatch.py copies what follows after the cache's steps)
 N_COUNTS = 12
-STATS = np.dtype([(f, np.int64) for f in (
-    "calls", "uses", "hits", "late", "misses", "host", "dropped", "substituted", "prefetch_issued", "prefetch_useful",
-    "prefetch_wasted", "predicted", "predicted_used", "true_used", "predictions", "failures", "bytes_moved")])
+# the cache's counters: `PhaseStats`'s count fields (its times are the drivers' and stay out of a replay)
+STATS = np.dtype([(f.name, np.int64) for f in dataclasses.fields(PhaseStats) if isinstance(f.default, int)])
 
 
 @_njit(cache=True)
