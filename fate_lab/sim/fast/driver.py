@@ -30,12 +30,14 @@ from fate_lab.policy.stats import PhaseStats
 
 
 def njit(*args, **kw):
-    """The cache's functions inlined into the token loop, compiled without reference counting (they allocate
-    nothing). A call passes the state's two dozen arrays by value (5 M look-ups/s on a cold trace where the
-    inlined loop does 27 M), and with reference counting each of them is counted up and down atomically at every
-    call (0.5 M)."""
+    """The cache's functions inlined into the token loop by LLVM (``forceinline``: its always-inline attribute) and
+    compiled without reference counting (they allocate nothing). Called, a step passes the state's two dozen arrays
+    by value (5 M look-ups/s on a cold trace where the inlined loop does 27 M), and with reference counting each of
+    them is counted up and down atomically at every call (0.5 M). numba's own inlining (``inline="always"``) gives
+    the same loop but copies a callee's IR at every one of its 141 (nested) inlinings: a policy's file compiled in
+    30 s, against 16 s this way (`benchmarks/results/replay_public_2026-12-06_forceinline.md`)."""
     kw["_nrt"] = False
-    kw.setdefault("inline", "always")
+    kw.setdefault("forceinline", True)
     return _njit(*args, **kw) if args else (lambda f: _njit(f, **kw))
 
 
@@ -44,12 +46,12 @@ policy_init, policy_admit, policy_access = POLICY.init, POLICY.admit, POLICY.acc
 policy_observe, policy_tick = POLICY.observe, POLICY.tick
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def pol_admit(P, E, e, prot):
     return policy_admit(P[0], P[1], P[2], P[3], P[4], E, e, prot)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def pol_access(P, E, e):
     policy_access(P[0], P[1], P[2], P[3], P[4], E, e)
 
