@@ -262,9 +262,9 @@ def submit(L, T, mv, m, e, slot, urgent, reason):
 
 
 @njit(cache=True)
-def demand(L, PZ, T, P, E, mv, m, e, cached):
-    """Queue an urgent load of e; False if no slot is free now."""
-    slot = reserve(L, PZ, P, E, e, False, cached, False, False)
+def demand(L, PZ, T, P, E, mv, m, e, cached, marked):
+    """Queue an urgent load of e; False if no slot is free now (`marked`: the caller has marked L.prot)."""
+    slot = reserve(L, PZ, P, E, e, False, cached, False, marked)
     if slot < 0:
         return False
     submit(L, T, mv, m, e, slot, 1, MISS)

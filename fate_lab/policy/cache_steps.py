@@ -36,6 +36,7 @@ from fate_lab.policy.cache_core import (
     njit,
     pol_access,
     promote,
+    protect,
     push,
     reap,
     reserve,
@@ -145,13 +146,17 @@ def begin_b(L, PZ, T, P, E, mv, m, needed, n, cls, plan, order, cached):
         order[i] = needed[i]
         k += 1
     ready = k == n
+    present = 1 << READY if k else 0  # the classes present, one bit each
     if not ready:  # not every expert was ready: in that order, class by class
+        for i in range(k, n):
+            present |= 1 << cls[i]
         k = 0
         for c in (SUBST, READY, STANDIN, ON_HOST, WAITING, MISSING):
-            for i in range(n):
-                if cls[i] == c:
-                    order[k] = needed[i]
-                    k += 1
+            if present >> c & 1:
+                for i in range(n):
+                    if cls[i] == c:
+                        order[k] = needed[i]
+                        k += 1
     for i in range(k):
         e = order[i]
         if not L.pend[e]:  # (a stand-in may come before, as the stand-in of an earlier miss)
@@ -163,19 +168,28 @@ def begin_b(L, PZ, T, P, E, mv, m, needed, n, cls, plan, order, cached):
             push(L.touched, f)
     if ready:  # nothing to make urgent, nothing to queue
         return k
-    for i in range(n):  # a needed prefetch still queued becomes urgent: it goes before the misses
-        e = needed[i]
-        if cls[i] == WAITING and not L.urg[e]:
-            if mv is None:
-                ok = 0
-            else:
-                ok = mv_cancel(mv, L.handle[e])
-            if ok:
-                slot = L.staged[e] if L.staged[e] >= 0 else L.where[e]
-                submit(L, T, mv, m, e, slot, 1, L.reason[e])
+    if present >> WAITING & 1:  # a needed prefetch still queued becomes urgent: it goes before the misses
+        for i in range(n):
+            e = needed[i]
+            if cls[i] == WAITING and not L.urg[e]:
+                if mv is None:
+                    ok = 0
+                else:
+                    ok = mv_cancel(mv, L.handle[e])
+                if ok:
+                    slot = L.staged[e] if L.staged[e] >= 0 else L.where[e]
+                    submit(L, T, mv, m, e, slot, 1, L.reason[e])
+    marked = False  # the protect row, marked once for the call's misses (what they protect changes only with them)
     for i in range(n):
-        if cls[i] == MISSING and not demand(L, PZ, T, P, E, mv, m, needed[i], cached):
+        if cls[i] != MISSING:
+            continue
+        if not marked and L.sc[NUSED] >= L.sc[NSLOTS]:
+            protect(L, 1)
+            marked = True
+        if not demand(L, PZ, T, P, E, mv, m, needed[i], cached, marked):
             push(L.deferred, needed[i])
+    if marked:
+        protect(L, 0)
     return k
 
 
@@ -235,14 +249,14 @@ def acquire(L, PZ, T, P, E, mv, m, e, cached, retry):
     if f >= 0:
         return L.staged[f] if L.staged[f] >= 0 else L.where[f]
     if retry:
-        if not demand(L, PZ, T, P, E, mv, m, e, cached):
+        if not demand(L, PZ, T, P, E, mv, m, e, cached, False):
             raise RuntimeError("no slot for an expert of this MoE layer (cache bug)")
     else:
-        while L.deferred[0] and demand(L, PZ, T, P, E, mv, m, L.deferred[1], cached):
+        while L.deferred[0] and demand(L, PZ, T, P, E, mv, m, L.deferred[1], cached, False):
             cut(L.deferred, 1)  # slots freed by computed experts
         if L.deferred[0] and L.deferred[1] == e:  # e is next and still has no slot: make one free
             cut(L.deferred, 1)
-            if not demand(L, PZ, T, P, E, mv, m, e, cached):
+            if not demand(L, PZ, T, P, E, mv, m, e, cached, False):
                 reap(PZ, mv, m)
                 return NEED_STEAL
     slot = L.staged[e] if L.staged[e] >= 0 else L.where[e]
