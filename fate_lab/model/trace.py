@@ -256,12 +256,15 @@ def _phase_vector(phase, n: int) -> torch.Tensor:
 def _positions(prompt_id: torch.Tensor) -> torch.Tensor:
     """Position of each row within its prompt (rows of a prompt counted in order), vectorised."""
     n = prompt_id.numel()
-    order = torch.sort(prompt_id, stable=True).indices  # (N,) rows grouped by prompt, in row order
-    sorted_pid = prompt_id[order]  # (N,)
+    grouped = n < 2 or bool((prompt_id[1:] >= prompt_id[:-1]).all())  # rows already grouped: no sort (a bare array)
+    order = None if grouped else torch.sort(prompt_id, stable=True).indices  # (N,) rows grouped, in row order
+    sorted_pid = prompt_id if grouped else prompt_id[order]  # (N,)
     new_group = torch.ones(n, dtype=torch.bool)
     new_group[1:] = sorted_pid[1:] != sorted_pid[:-1]  # (N,) first row of each prompt
     idx = torch.arange(n)  # (N,)
     group_start = torch.cummax(torch.where(new_group, idx, torch.zeros_like(idx)), dim=0).values  # (N,)
+    if grouped:
+        return idx - group_start
     position = torch.empty(n, dtype=torch.int64)
     position[order] = idx - group_start
     return position

@@ -114,6 +114,8 @@ def test_from_routing_array_lengths_give_prompt_ids_and_positions():
     # prompt_id may interleave prompts; positions count each prompt's rows in order
     t = from_routing_array(arr, num_experts=4, prompt_id=[1, 0, 1, 0, 0])
     assert t.position.tolist() == [0, 0, 1, 1, 2]
+    t = from_routing_array(arr, num_experts=4, prompt_id=[0, 0, 3, 3, 3])  # grouped rows: positions without a sort
+    assert t.position.tolist() == [0, 1, 0, 1, 2]
     with pytest.raises(ValueError, match=r"lengths must sum to the routing array's 5 tokens; got sum 4"):
         from_routing_array(arr, num_experts=4, lengths=[2, 2])
     with pytest.raises(ValueError, match=r"lengths must be non-negative.*got -1 for prompt 1"):
@@ -278,3 +280,18 @@ def test_bf16_linear_routers_stay_linear_and_a_normalising_one_does_not():
     reproduces it from the trace), while Gemma 4's normalised, scaled input never is."""
     assert adapt(tiny_model("qwen2_moe", dtype=torch.bfloat16)).host_routers().is_linear(0)
     assert not adapt(tiny_model("gemma4_text", dtype=torch.bfloat16)).host_routers().is_linear(0)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_positions_match_a_count_of_each_prompts_earlier_rows(grouped):
+    g = torch.Generator().manual_seed(3)
+    pid = torch.randint(0, 7, (400,), generator=g)
+    if grouped:
+        pid = torch.sort(pid).values
+    seen: dict[int, int] = {}
+    expected = []
+    for p in pid.tolist():  # brute force: how many rows of the same prompt came before
+        expected.append(seen.get(p, 0))
+        seen[p] = expected[-1] + 1
+    t = from_routing_array(_distinct_routing(400, 1, 2, 4), num_experts=4, prompt_id=pid)
+    assert t.position.tolist() == expected
