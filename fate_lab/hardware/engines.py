@@ -26,7 +26,9 @@ FATE_LAB_HOST_GHZ = 2.6  # the core clock of the CPU those were measured on: "AM
 # host_specs.py. Stated assumption: equal work per cycle (IPC); Zen 3/4 and Ice Lake-Sapphire Rapids cores differ by
 # less than 20% per clock, an Arm Cortex-A78 core more (not measured here). Measured against it (2026-12-06,
 # benchmarks/results/host_path_2026-12-06.md): on a KVM guest "Intel Xeon" (family 6 model 167) at the same 2.6 GHz
-# every call took twice as long, the measuring commit's code alike, so a clock alone can miss a host by 2x.
+# every call took twice as long on a busy machine, the measuring commit's code alike; on the same guest quiet
+# (host_path_2026-12-06_marked_once.md) plain transformers took 1.4x (130-132 us), lru 1.2x (93-94), fate 1.3x
+# (126-129): a clock alone can miss a host by 1.2-2x, load included.
 
 
 def host_time(seconds: float, ghz: float | None, measured_ghz: float = FATE_LAB_HOST_GHZ) -> float:
